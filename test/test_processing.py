@@ -1,0 +1,194 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from oxygen_ros.model.processing import (
+    NormStats,
+    find_norm_stats,
+    pad_to,
+    prepare_image,
+    resize_with_pad,
+    to_model_image,
+)
+
+
+def test_resize_wide_constant_image_pads_top_and_bottom():
+    img = np.full((2, 4, 3), 100, dtype=np.uint8)
+    out = resize_with_pad(img, 8, 8)
+    # scale 2 -> 4x8, (8 - 4) / 2 = 2 black rows above and below
+    assert out.shape == (8, 8, 3) and out.dtype == np.uint8
+    assert (out[2:6] == 100).all()
+    assert (out[:2] == 0).all() and (out[6:] == 0).all()
+
+
+def test_resize_tall_image_pads_left_and_right():
+    img = np.full((8, 2, 3), 50, dtype=np.uint8)
+    out = resize_with_pad(img, 4, 4)
+    # ratio max(2/4, 8/4) = 2 -> 4x1, left pad (4 - 1) // 2 = 1
+    assert (out[:, 1] == 50).all()
+    assert (out[:, [0, 2, 3]] == 0).all()
+
+
+def test_resize_odd_padding_goes_bottom():
+    img = np.full((3, 8, 3), 9, dtype=np.uint8)
+    out = resize_with_pad(img, 8, 8)
+    # same width, 5 rows of padding: 2 on top, 3 below
+    assert (out[2:5] == 9).all()
+    assert (out[:2] == 0).all() and (out[5:] == 0).all()
+
+
+def test_resize_camera_frame():
+    img = np.full((480, 640, 3), 7, dtype=np.uint8)
+    out = resize_with_pad(img)
+    # 640x480 -> 224x168, 28 rows of black above and below
+    assert out.shape == (224, 224, 3)
+    assert (out[28:196] == 7).all()
+    assert (out[:28] == 0).all() and (out[196:] == 0).all()
+
+
+def test_resize_same_size_is_unchanged():
+    img = np.random.default_rng(0).integers(0, 256, (6, 6, 3), dtype=np.uint8)
+    out = resize_with_pad(img, 6, 6)
+    assert np.array_equal(out, img) and out is not img
+
+
+def test_resize_keeps_horizontal_order():
+    img = np.zeros((2, 4, 3), dtype=np.uint8)
+    img[:, 2:] = 200
+    out = resize_with_pad(img, 2, 2)
+    assert out[0, 0, 0] < out[0, 1, 0]
+
+
+def test_resize_close_to_pil():
+    pil = pytest.importorskip("PIL.Image")
+    rng = np.random.default_rng(1)
+    for h, w in [(48, 64), (37, 51), (10, 6)]:
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        ratio = max(w / 32, h / 32)
+        nh, nw = int(h / ratio), int(w / ratio)
+        ref = np.asarray(pil.fromarray(img).resize((nw, nh), resample=pil.BILINEAR))
+        top, left = (32 - nh) // 2, (32 - nw) // 2
+        out = resize_with_pad(img, 32, 32)
+        diff = out[top : top + nh, left : left + nw].astype(int) - ref.astype(int)
+        assert np.abs(diff).max() <= 1
+
+
+def test_resize_rejects_float():
+    with pytest.raises(ValueError):
+        resize_with_pad(np.zeros((4, 4, 3), dtype=np.float32))
+
+
+def test_to_model_image_values_and_layout():
+    img = np.zeros((1, 2, 3), dtype=np.uint8)
+    img[0, 0] = [0, 255, 51]
+    img[0, 1] = [255, 0, 102]
+    x = to_model_image(img)
+    assert x.dtype == torch.float32 and x.shape == (3, 1, 2)
+    expected = torch.tensor([[[-1.0, 1.0]], [[1.0, -1.0]], [[-0.6, -0.2]]])
+    assert torch.allclose(x, expected, atol=1e-6)
+
+
+def test_prepare_image_shape():
+    x = prepare_image(np.full((480, 640, 3), 255, dtype=np.uint8))
+    assert x.shape == (3, 224, 224)
+    assert x[:, 0, 0].tolist() == [-1.0, -1.0, -1.0]  # padding is black
+    assert x[:, 112, 112].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_to_model_image_rejects_gray():
+    with pytest.raises(ValueError):
+        to_model_image(np.zeros((4, 4, 1), dtype=np.uint8))
+
+
+def test_pad_to():
+    assert pad_to(np.array([1.0, 2.0]), 4).tolist() == [1.0, 2.0, 0.0, 0.0]
+    assert pad_to(np.ones((2, 3)), 5).tolist() == [[1, 1, 1, 0, 0]] * 2
+    assert pad_to(np.arange(5), 3).tolist() == [0, 1, 2]
+
+
+STATS = {
+    "norm_stats": {
+        "state": {"mean": [1.0, 2.0], "std": [2.0, 4.0], "q01": [0.0, -1.0], "q99": [2.0, 1.0]},
+        "actions": {
+            "mean": [0.0, 0.0, 0.0],
+            "std": [1.0, 1.0, 1.0],
+            "q01": [-2.0, 0.0, 10.0],
+            "q99": [2.0, 1.0, 20.0],
+        },
+    }
+}
+
+
+def test_quantile_normalize_by_hand():
+    ns = NormStats.from_dict(STATS)
+    x = ns.normalize_state([1.0, 0.0])
+    assert x[0] == pytest.approx((1 - 0) / (2 - 0 + 1e-6) * 2 - 1)
+    assert x[1] == pytest.approx((0 + 1) / (1 + 1 + 1e-6) * 2 - 1)
+    assert ns.normalize_state([0.0, -1.0]).tolist() == [-1.0, -1.0]  # q01 maps to -1
+
+
+def test_quantile_unnormalize_by_hand():
+    ns = NormStats.from_dict(STATS)
+    a = ns.unnormalize_actions(np.array([[-1.0, 1.0, 0.0]]))
+    assert a[0].tolist() == pytest.approx([-2.0, 1.0 + 1e-6, 15.0 + 5e-6])
+
+
+def test_mean_std_variant_by_hand():
+    ns = NormStats.from_dict(STATS, quantile=False)
+    x = ns.normalize_state([3.0, 2.0])
+    assert x.tolist() == pytest.approx([2 / (2 + 1e-6), 0.0])
+    assert ns.unnormalize_state(x).tolist() == pytest.approx([3.0, 2.0])
+
+
+def test_padding_dims_pass_through():
+    ns = NormStats.from_dict(STATS)
+    x = ns.normalize_state([0.0, -1.0, 5.0, 0.0])
+    assert x.tolist() == [-1.0, -1.0, 5.0, 0.0]
+    a = ns.unnormalize_actions(np.zeros((2, 32)))
+    assert np.allclose(a[:, :3], [[0.0, 0.5, 15.0]] * 2, atol=1e-5)
+    assert (a[:, 3:] == 0).all()
+    # a robot with fewer dims than the stats uses the first ones
+    assert ns.normalize_state([2.0]).tolist() == pytest.approx([1.0], abs=1e-5)
+
+
+def test_round_trip():
+    ns = NormStats.from_dict(STATS)
+    a = np.random.default_rng(0).uniform(-1, 1, (5, 32))
+    assert np.allclose(ns.normalize_actions(ns.unnormalize_actions(a)), a)
+
+
+def test_from_json_and_errors(tmp_path):
+    path = tmp_path / "norm_stats.json"
+    path.write_text(json.dumps(STATS))
+    assert NormStats.from_json(path).state.q99.tolist() == [2.0, 1.0]
+    assert NormStats.from_dict(STATS["norm_stats"]).actions.dim == 3
+    no_q = {"state": {"mean": [0], "std": [1]}, "actions": {"mean": [0], "std": [1]}}
+    with pytest.raises(ValueError, match="q01"):
+        NormStats.from_dict(no_q)
+    assert NormStats.from_dict(no_q, quantile=False).normalize_state([2.0])[0] == (
+        pytest.approx(2.0 / (1 + 1e-6))
+    )
+    with pytest.raises(ValueError, match="actions"):
+        NormStats.from_dict({"state": STATS["norm_stats"]["state"]})
+
+
+def _put(root, asset):
+    p = root / "assets" / asset / "norm_stats.json"
+    p.parent.mkdir(parents=True)
+    p.write_text(json.dumps(STATS))
+    return p
+
+
+def test_find_norm_stats(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        find_norm_stats(tmp_path)
+    trossen = _put(tmp_path, "trossen")
+    assert find_norm_stats(tmp_path) == trossen
+    droid = _put(tmp_path, "droid")
+    with pytest.raises(ValueError, match="droid"):
+        find_norm_stats(tmp_path)
+    assert find_norm_stats(tmp_path, "droid") == droid
+    with pytest.raises(FileNotFoundError):
+        find_norm_stats(tmp_path, "libero")
