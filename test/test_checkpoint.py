@@ -1,0 +1,196 @@
+"""Checkpoints: openpi / LeRobot key names in safetensors, round trips, clear refusals."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from oxygen_ros.model import KV, Pi05, load_checkpoint, load_config, save_checkpoint
+from oxygen_ros.model.checkpoint import (
+    EMBED,
+    EXP,
+    LM,
+    LM_HEAD,
+    VIT,
+    CheckpointError,
+    config_from_json,
+    expected_shapes,
+    infer_config,
+)
+
+torch.set_num_threads(2)
+
+STATS = {"state": {"q01": [-1.0, 0.0], "q99": [1.0, 2.0]},
+         "actions": {"q01": [0.0] * 8, "q99": [1.0] * 8}}
+
+
+def make_model(seed=0) -> Pi05:
+    torch.manual_seed(seed)
+    model = Pi05(load_config("tiny"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name and "vision" not in name:
+                p.normal_(0.0, 0.3)
+    return model.to_inference("cpu")
+
+
+def outputs(model: Pi05):
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(1)
+    size, n = cfg.vision.image_size, cfg.max_token_len
+    images = torch.rand(2, 3, 3, size, size, generator=g) * 2 - 1
+    image_mask = torch.tensor([[1, 1, 1], [1, 0, 1]], dtype=torch.bool)
+    tokens = torch.randint(2, cfg.vocab, (2, n), generator=g)
+    token_mask = torch.arange(n)[None] < torch.tensor([[n], [9]])
+    kv = KV.allocate(cfg, 2, cfg.prefix_len + 2)
+    hidden = model.prefill(images, image_mask, tokens, token_mask, kv, slice(0, 2))
+    noise = torch.randn(2, cfg.action_horizon, cfg.action_dim, generator=g)
+    actions = model.denoise(kv, slice(0, 2), noise)
+    logits = model.decode_step(kv, torch.tensor([0, 1]), torch.tensor([5, 6]))
+    return hidden, actions, logits
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = make_model()
+    path = save_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "pi05_tiny", STATS)
+    return model, path, outputs(model)
+
+
+def rewrite(src, dst, edit):
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+def test_round_trip_is_exact(saved):
+    _, path, ref = saved
+    assert (path / "model.safetensors").is_file()
+    meta = json.loads((path / "config.json").read_text())
+    assert meta["action_dim"] == 8 and meta["action_horizon"] == 4
+    assert meta["precision"] == "float32"
+    model, stats, info = load_checkpoint(path)
+    assert stats == STATS and info["asset_id"] == "default" and info["tied"]
+    assert model.cfg == load_config("tiny")
+    for a, b in zip(ref, outputs(model), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_key_names_follow_openpi(saved):
+    _, path, _ = saved
+    keys = set(load_file(str(path / "model.safetensors")))
+    for key in (VIT + "embeddings.patch_embedding.weight",
+                VIT + "encoder.layers.1.self_attn.q_proj.bias",
+                VIT + "encoder.layers.0.mlp.fc2.weight", VIT + "post_layernorm.bias",
+                "paligemma_with_expert.paligemma.model.multi_modal_projector.linear.weight",
+                LM + "layers.1.self_attn.k_proj.weight", LM + "layers.0.mlp.gate_proj.weight",
+                LM + "layers.0.post_attention_layernorm.weight", LM + "norm.weight", LM_HEAD,
+                EXP + "model.layers.1.input_layernorm.dense.bias",
+                EXP + "model.layers.0.mlp.up_proj.weight", EXP + "model.norm.dense.weight",
+                "action_in_proj.weight", "action_out_proj.bias", "time_mlp_in.weight",
+                "time_mlp_out.bias"):
+        assert key in keys, key
+    assert EMBED not in keys  # tied: stored once, as lm_head
+    with torch.device("meta"):
+        total = sum(p.numel() for p in Pi05(load_config("tiny")).parameters())
+    assert sum(t.numel() for t in load_file(str(path / "model.safetensors")).values()) == total
+
+
+def test_lerobot_prefix_and_explicit_embedding(saved, tmp_path):
+    _, path, ref = saved
+
+    def lerobot(t):
+        t[EMBED] = t.pop(LM_HEAD)  # the untied name only
+        for k in list(t):
+            t["model." + k] = t.pop(k)
+        t["model." + EXP + "lm_head.weight"] = torch.zeros(3, 3)  # present in some exports
+
+    model, _, info = load_checkpoint(rewrite(path, tmp_path / "lerobot", lerobot))
+    assert info["prefixed"] and not info["tied"]
+    assert info["ignored"] == [EXP + "lm_head.weight"]
+    for a, b in zip(ref, outputs(model), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_single_file_with_config(saved):
+    _, path, ref = saved
+    model, stats, info = load_checkpoint(path / "model.safetensors", cfg=load_config("tiny"))
+    assert stats is None and info["asset_id"] is None
+    for a, b in zip(ref, outputs(model), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["missing", "extra", "shape"])
+def test_mismatch_names_the_key(saved, tmp_path, case):
+    _, path, _ = saved
+    key = LM + "layers.1.mlp.down_proj.weight"
+
+    def edit(t):
+        if case == "missing":
+            del t[key]
+        elif case == "extra":
+            t["action_mystery_proj.weight"] = torch.zeros(2)
+        else:
+            t[key] = torch.zeros(3, 5)
+
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(rewrite(path, tmp_path / case, edit))
+    message = str(err.value)
+    label = {"missing": "missing", "extra": "unexpected", "shape": "wrong shape"}[case]
+    assert label in message
+    assert ("action_mystery_proj.weight" if case == "extra" else key) in message
+    if case == "shape":
+        assert "[3, 5]" in message and "[64, 128]" in message
+
+
+def test_pickle_formats_are_refused(tmp_path):
+    for name in ("model.pt", "model.bin", "model.pth"):
+        f = tmp_path / name
+        f.write_bytes(b"not loaded")
+        with pytest.raises(CheckpointError, match="safetensors"):
+            load_checkpoint(f)
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="safetensors"):
+        load_checkpoint(d)
+
+
+def test_openpi_config_json_and_bf16(saved, tmp_path):
+    model, path, ref = saved
+    dst = rewrite(path, tmp_path / "openpi", lambda t: None)
+    meta = json.loads((path / "config.json").read_text())
+    del meta["oxygen"]
+    meta.update(paligemma_variant="gemma_2b", action_expert_variant="gemma_300m",
+                precision="bfloat16")
+    (dst / "config.json").write_text(json.dumps(meta))
+    # openpi's config names no vision dims; SigLIP's head count is known only for So400m.
+    with pytest.raises(CheckpointError, match="pass cfg"):
+        load_checkpoint(dst)
+    loaded, _, info = load_checkpoint(dst, cfg=model.cfg, dtype=torch.bfloat16)
+    assert info["precision"] == "bfloat16"
+    assert loaded.embed.weight.dtype == torch.bfloat16
+    assert loaded.vlm[0].norm1.weight.dtype == torch.float32
+    out = save_checkpoint(loaded, tmp_path / "bf16")
+    assert json.loads((out / "config.json").read_text())["precision"] == "bfloat16"
+    back, _, _ = load_checkpoint(out, dtype=torch.bfloat16)
+    for a, b in zip(loaded.state_dict().values(), back.state_dict().values(),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+def test_openpi_config_names_published_dims():
+    pi05 = load_config("pi05", action_horizon=50)
+    shapes = expected_shapes(pi05)
+    shapes[EXP + "lm_head.weight"] = (257152, 1024)
+    meta = {"action_dim": 32, "action_horizon": 50, "paligemma_variant": "gemma_2b",
+            "action_expert_variant": "gemma_300m", "precision": "bfloat16"}
+    assert config_from_json(meta, shapes) == pi05
+    # Without config.json the dims come from the tensors and the known variants.
+    assert infer_config(load_config("pi05"), shapes) == load_config("pi05")
+    with pytest.raises(CheckpointError, match="paligemma_variant"):
+        config_from_json({**meta, "paligemma_variant": "gemma_7b"}, shapes)
