@@ -1,0 +1,274 @@
+"""oxygen-bench: every scheduling mode on one model, measured the way the OxyGen paper does.
+
+One frame = one new observation and one new language request. End-of-sequence is off, so
+every request emits exactly T tokens. Metrics (warm-up frames excluded):
+- action frequency = action_horizon x frames per second (frame time = the scheduler's own
+  wall time of prefill, denoising and language decoding, direct model calls);
+- language throughput = tokens emitted in a frame / frame time, averaged over frames;
+- speedup = action frequency / that of `isolated` at the same T and N.
+Phase times (prefill P, N denoise steps D, one decode step d_b at batch b) are measured in
+the same run, giving the ratio the phases allow: (2P + D + T d_1) / (P + D + k d_B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..model import Pi05, load_config
+from ..model.tokenizer import Tokenizer
+from .engine import Engine, EngineConfig, Observation
+
+MODES = ('isolated', 'shared_kv', 'parallel', 'oxygen')
+PROMPT = 'pick up the red cube and place it in the bowl'
+
+
+def _sync(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+
+
+def _median_ms(fn, device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(times))
+
+
+def observations(model_cfg, n: int, cameras: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    size = model_cfg.vision.image_size
+    for i in range(n):
+        images = {slot: (rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+                         if j < cameras else None)
+                  for j, slot in enumerate(model_cfg.image_slots)}
+        state = rng.uniform(-1, 1, 14).astype(np.float32)
+        yield Observation(stamp=i * 0.1, images=images, state=state, prompt=PROMPT)
+
+
+def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dict:
+    """P, D and d_b, measured with the same kernels the schedulers call."""
+    model, kv, dev = engine.model, engine.cache.kv, engine.device
+    obs = next(observations(engine.model_cfg, 1, 3))
+    f = engine.frame(obs)
+    rows = min(max_batch, engine.cache.max_requests)
+    with torch.inference_mode():
+        for r in range(rows):
+            model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv, slice(r, r + 1))
+        prefill = _median_ms(lambda: model.prefill(f.images, f.image_mask, f.tokens,
+                                                   f.token_mask, kv, slice(0, 1)), dev, repeats)
+        denoise = _median_ms(lambda: model.denoise(kv, slice(0, 1), f.noise, steps), dev,
+                             repeats)
+        decode = {}
+        for b in range(1, rows + 1):
+            idx = torch.arange(b, device=dev)
+            tok = torch.full((b,), 5, device=dev)
+            start = kv.length[:b].clone(), kv.next_pos[:b].clone(), kv.valid[:b].clone()
+
+            def one(b=b, idx=idx, tok=tok, start=start):
+                model.logits(model.decode_hidden(kv, idx, tok))
+                # Rewind so every repeat decodes at the same length.
+                kv.length[:b], kv.next_pos[:b], kv.valid[:b] = (t.clone() for t in start)
+
+            decode[b] = _median_ms(one, dev, repeats)
+    for r in range(rows):
+        kv.clear(slice(r, r + 1))
+    return dict(prefill_ms=prefill, denoise_ms=denoise, decode_ms=decode)
+
+
+def run_mode(engine: Engine, frames: int, warmup: int, cameras: int) -> dict:
+    frame_ms, tok_rate, tokens, batches = [], [], 0, []
+    for i, obs in enumerate(observations(engine.model_cfg, warmup + frames, cameras)):
+        r = engine.step(obs, narrate=True)
+        if i < warmup:
+            continue
+        ms = r.timing['frame_ms']
+        n = sum(1 for e in r.events if not e.cancelled)
+        frame_ms.append(ms)
+        tok_rate.append(n * 1000.0 / ms)
+        tokens += n
+        batches += r.timing.get('batches', [])
+    engine.cancel_all()
+    ms = np.array(frame_ms)
+    return dict(
+        frames=frames,
+        frame_ms_mean=float(ms.mean()),
+        frame_ms_p50=float(np.percentile(ms, 50)),
+        frame_ms_p99=float(np.percentile(ms, 99)),
+        action_hz=engine.action_horizon * 1000.0 / float(ms.mean()),
+        tokens_per_s=float(np.mean(tok_rate)),
+        tokens=tokens,
+        mean_batch=float(np.mean(batches)) if batches else 0.0,
+        budget_misses=int((ms > engine.scheduler.frame_budget_ms).sum()),
+    )
+
+
+def memory_mb(engine: Engine) -> float:
+    """Peak device memory on CUDA; on CPU the bytes of the weights and KV caches held."""
+    if engine.device.type == 'cuda':
+        return torch.cuda.max_memory_allocated(engine.device) / 2**20
+    s = engine.scheduler
+    models = [s.act.model, s.lang.model] if s.mode == 'parallel' else [engine.model]
+    caches = [s.act.cache, s.lang.cache] if s.mode == 'parallel' else [engine.cache]
+    n = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
+    n += sum(c.total_bytes for c in caches)
+    return n / 2**20
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog='oxygen-bench', description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--config', default='small', help='model config name or YAML path')
+    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--T', type=int, nargs='+', default=[5, 10, 20, 30], help='tokens/request')
+    p.add_argument('--N', type=int, default=10, help='denoise steps')
+    p.add_argument('--k', type=int, default=5, help='decode steps per frame (oxygen)')
+    p.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES)
+    p.add_argument('--frames', type=int, default=20)
+    p.add_argument('--warmup', type=int, default=8)
+    p.add_argument('--cameras', type=int, default=3)
+    p.add_argument('--threads', type=int, default=2)
+    p.add_argument('--repeats', type=int, default=10, help='repeats per phase timing')
+    p.add_argument('--adaptive', action='store_true',
+                   help='also sweep fixed k against adaptive k at the largest T')
+    p.add_argument('--control-rate', type=float, default=70.0)
+    p.add_argument('--out', default='benchmarks/out')
+    p.add_argument('--plot', action=argparse.BooleanOptionalAction, default=True)
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
+    torch.manual_seed(0)
+    model = Pi05(load_config(args.config)).to_inference(device, dtype).eval()
+    tok = Tokenizer.default()
+    params = sum(p.numel() for p in model.parameters())
+    t_max = max(args.T)
+    max_batch = math.ceil(t_max / args.k) + 1
+
+    def engine(mode, T, k=args.k):
+        cfg = EngineConfig(mode=mode, device=args.device, denoise_steps=args.N, decode_k=k,
+                           max_requests=max_batch + 1, max_new_tokens=T, stop_at_eos=False,
+                           prompt_format='subtask', control_rate_hz=args.control_rate)
+        return Engine(cfg, model=model, tokenizer=tok)
+
+    phases = phase_times(engine('oxygen', t_max), max_batch, args.N, args.repeats)
+    P, D, d = phases['prefill_ms'], phases['denoise_ms'], phases['decode_ms']
+    print(f'model {args.config}: {params / 1e6:.1f}M params, {device}, {dtype}, '
+          f'{torch.get_num_threads()} threads')
+    print(f'phases: prefill {P:.1f} ms, {args.N} denoise steps {D:.1f} ms, decode step '
+          + ', '.join(f'b={b} {v:.2f} ms' for b, v in d.items()))
+
+    rows = []
+    plan = [(T, m) for T in args.T for m in args.modes]
+    for T, mode in tqdm(plan, desc='oxygen-bench', unit='run'):
+        e = engine(mode, T)
+        if device.type == 'cuda':
+            torch.cuda.reset_peak_memory_stats(device)
+        r = run_mode(e, args.frames, args.warmup, args.cameras)
+        r.update(mode=mode, T=T, N=args.N, k=args.k if mode == 'oxygen' else T,
+                 memory_mb=memory_mb(e))
+        if mode == 'oxygen':
+            b = min(math.ceil(T / args.k), max(d))
+            r['phase_ratio'] = (2 * P + D + T * d[1]) / (P + D + args.k * d[b])
+        rows.append(r)
+        if hasattr(e.scheduler, 'close'):
+            e.scheduler.close()
+    for r in rows:
+        base = next((x for x in rows if x['T'] == r['T'] and x['mode'] == 'isolated'), None)
+        r['speedup'] = r['action_hz'] / base['action_hz'] if base else float('nan')
+
+    sweep = []
+    if args.adaptive:
+        for k in tqdm([1, 2, 3, 5, 6, 10, 0], desc='k sweep', unit='run'):
+            e = engine('oxygen', t_max, k)
+            r = run_mode(e, args.frames, args.warmup, args.cameras)
+            r.update(mode='oxygen', T=t_max, k=k if k else 'adaptive',
+                     budget_ms=e.scheduler.frame_budget_ms)
+            sweep.append(r)
+
+    report = dict(config=args.config, params=params, device=str(device), dtype=str(dtype),
+                  threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
+                  N=args.N, k=args.k, phases=phases, results=rows, k_sweep=sweep)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'bench.json').write_text(json.dumps(report, indent=2))
+    keys = ['mode', 'T', 'N', 'k', 'frame_ms_mean', 'frame_ms_p50', 'frame_ms_p99',
+            'action_hz', 'tokens_per_s', 'speedup', 'phase_ratio', 'memory_mb', 'mean_batch']
+    with open(out / 'bench.csv', 'w', newline='') as fh:
+        w = csv.DictWriter(fh, keys, extrasaction='ignore')
+        w.writeheader()
+        w.writerows(rows)
+    print(table(rows))
+    if sweep:
+        print(sweep_table(sweep))
+    if args.plot:
+        plot(rows, out / 'bench.png', args)
+        print(f'wrote {out / "bench.json"}, {out / "bench.csv"}, {out / "bench.png"}')
+    return report
+
+
+def table(rows) -> str:
+    lines = ['| mode | T | frame ms p50 | p99 | action Hz | tokens/s | speedup | phase ratio '
+             '| memory MB |', '|---|---|---|---|---|---|---|---|---|']
+    for r in rows:
+        ratio = f"{r['phase_ratio']:.2f}x" if 'phase_ratio' in r else ''
+        lines.append(f"| {r['mode']} | {r['T']} | {r['frame_ms_p50']:.1f} | "
+                     f"{r['frame_ms_p99']:.1f} | {r['action_hz']:.1f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {ratio} | "
+                     f"{r['memory_mb']:.0f} |")
+    return '\n'.join(lines)
+
+
+def sweep_table(rows) -> str:
+    lines = ['| k | frame ms p50 | p99 | budget ms | frames over budget | action Hz | tokens/s |',
+             '|---|---|---|---|---|---|---|']
+    for r in rows:
+        lines.append(f"| {r['k']} | {r['frame_ms_p50']:.1f} | {r['frame_ms_p99']:.1f} | "
+                     f"{r['budget_ms']:.0f} | {r['budget_misses']}/{r['frames']} | "
+                     f"{r['action_hz']:.1f} | {r['tokens_per_s']:.0f} |")
+    return '\n'.join(lines)
+
+
+def plot(rows, path: Path, args) -> None:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in args.modes:
+        rs = [r for r in rows if r['mode'] == mode]
+        a.plot([r['T'] for r in rs], [r['speedup'] for r in rs], 'o-', label=mode)
+        b.plot([r['tokens_per_s'] for r in rs], [r['action_hz'] for r in rs], 'o-', label=mode)
+        for r in rs:
+            b.annotate(f"T={r['T']}", (r['tokens_per_s'], r['action_hz']), fontsize=7,
+                       xytext=(3, 3), textcoords='offset points')
+    a.set(xlabel='decode length T (tokens per request)', ylabel='speedup over isolated',
+          title=f'Action frequency speedup (N={args.N}, k={args.k})')
+    b.axhline(args.control_rate, color='grey', ls='--', lw=0.8)
+    b.set(xlabel='language throughput (tokens/s)', ylabel='action frequency (Hz)',
+          title='Action Hz vs language tokens/s')
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f'oxygen-bench: {args.config} config on {args.device}')
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == '__main__':
+    main()

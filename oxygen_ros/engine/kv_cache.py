@@ -1,0 +1,64 @@
+"""The unified KV cache: who owns which rows of one preallocated key/value store.
+
+One store serves every task. Each language request owns one row (its prefix KV, then its
+generated tokens). The newest frame's prefill writes straight into the row of the request it
+starts; the action expert reads that row in place. A frame that starts no request (or whose
+request was not admitted) prefills into a reserved scratch row, so actions never wait for a
+free row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import KV, ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, max_requests: int, max_new_tokens: int,
+                 device='cpu', dtype=torch.float32, prefix_len: int | None = None):
+        if max_requests < 0:
+            raise ValueError(f'max_requests must be >= 0, got {max_requests}')
+        if max_new_tokens < 1:
+            raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
+        self.max_requests = max_requests
+        self.max_new_tokens = max_new_tokens
+        self.prefix_len = prefix_len or cfg.prefix_len
+        # Rows 0..max_requests-1 are request slots; the last row is the scratch row.
+        self.kv = KV.allocate(cfg, max_requests + 1, self.prefix_len + max_new_tokens,
+                              device=device, dtype=dtype)
+        self.scratch = max_requests
+        self._free = list(range(max_requests))
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_rows(self) -> int:
+        return self.max_requests - len(self._free)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.kv.row_nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv.nbytes
+
+    def alloc(self) -> int | None:
+        """A free request row, or None when every row is taken."""
+        if not self._free:
+            return None
+        row = self._free.pop(0)
+        self.kv.clear(slice(row, row + 1))
+        return row
+
+    def free(self, row: int) -> None:
+        if not 0 <= row < self.max_requests:
+            raise ValueError(f'row {row} is not a request row')
+        if row in self._free:
+            raise ValueError(f'row {row} is already free')
+        self.kv.clear(slice(row, row + 1))
+        self._free.append(row)
+        self._free.sort()

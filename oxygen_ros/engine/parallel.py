@@ -1,0 +1,96 @@
+"""The naive-parallel baseline: two model copies, one per task, running concurrently.
+
+The action worker prefills and denoises with its copy; the language worker prefills the same
+observation with the other copy and decodes the frame's request to the end. Both start at the
+frame and the frame ends when the slower one does (the paper ran the two on one GPU under
+MPS). It costs twice the weights and shares nothing.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .kv_cache import KVCache
+from .requests import Request
+from .scheduler import Frame, FrameOutput, Scheduler
+
+
+class ParallelScheduler:
+    mode = 'parallel'
+
+    def __init__(self, model, max_requests: int, max_new_tokens: int, denoise_steps: int = 10,
+                 vocab_limit: int | None = None, device='cpu', dtype=torch.float32,
+                 frame_budget_ms: float = 1000 * 10 / 70):
+        # A second copy of the weights, as two independent workers would hold.
+        second = type(model)(model.cfg)
+        second.load_state_dict(model.state_dict())
+        second.to_inference(model.device, model.dtype)
+        self.act = Scheduler(model, KVCache(model.cfg, 0, 1, device, dtype),
+                             mode='isolated', denoise_steps=denoise_steps)
+        self.lang = Scheduler(second, KVCache(model.cfg, max(1, max_requests), max_new_tokens,
+                                              device, dtype),
+                              mode='shared_kv', admission='reject_newest',
+                              vocab_limit=vocab_limit)
+        self.denoise_steps = denoise_steps
+        self.clock = self.act.clock
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix='oxygen-language')
+        self.frame_budget_ms = frame_budget_ms
+        self.deadline_misses = 0
+
+    @property
+    def pending(self):
+        return self.lang.pending
+
+    @property
+    def rejected(self):
+        return self.lang.rejected
+
+    @property
+    def dropped(self):
+        return self.lang.dropped
+
+    def cancel_all(self):
+        return self.lang.cancel_all()
+
+    @property
+    def active(self):
+        return self.lang.active
+
+    @torch.inference_mode()
+    def _actions(self, f: Frame):
+        t0 = self.clock()
+        row = self.act.cache.scratch
+        self.act._prefill(f, row)
+        actions = self.act.model.denoise(self.act.cache.kv, slice(row, row + 1), f.noise,
+                                         self.denoise_steps)[0]
+        return actions, self.clock() - t0
+
+    @torch.inference_mode()
+    def _language(self, f: Frame, request: Request | None) -> FrameOutput:
+        out = FrameOutput(actions=torch.empty(0))
+        if request is None:
+            return out
+        row = self.lang._admit(request, out)
+        if row is not None:
+            self.lang._start(request, row, self.lang._prefill(f, row))
+            self.lang.decode_to_end(out)
+        return out
+
+    def step(self, f: Frame, request: Request | None = None, on_actions=None) -> FrameOutput:
+        t0 = self.clock()
+        lang = self._pool.submit(self._language, f, request)
+        actions, act_ms = self._actions(f)
+        if on_actions is not None:
+            on_actions(actions)
+        out = lang.result()
+        out.actions = actions
+        frame_ms = self.clock() - t0
+        if frame_ms > self.frame_budget_ms:
+            self.deadline_misses += 1
+        out.timing = dict(action_ms=act_ms, frame_ms=frame_ms, k=len(out.tokens))
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown()

@@ -1,0 +1,283 @@
+"""What runs each frame: one prefill, the action chunk by its deadline, then language.
+
+Modes share one interface, ``step(frame, request, on_actions) -> FrameOutput``, and the same
+model kernels, so they differ only in scheduling:
+
+- ``isolated``: the baseline. Prefill for the actions, then a second prefill of the same
+  observation for the frame's request, decoded to the end inside the frame.
+- ``shared_kv``: one prefill feeds the actions and the request, decoded to the end in-frame.
+- ``oxygen``: one prefill feeds the actions and the request; then ``k`` decode steps for
+  every active request in one batch, requests living across frames (continuous batching).
+  With ``decode_k = 0`` k adapts each frame to the time left in the frame budget.
+
+(The naive two-copies-in-two-threads baseline lives in ``parallel.py``.)
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache
+from .requests import Request, sample
+
+MODES = ('isolated', 'shared_kv', 'oxygen')
+ADMISSION = ('drop_oldest', 'reject_newest', 'wait')
+
+
+@dataclass
+class Frame:
+    """Model-ready inputs of one observation (batch of one)."""
+
+    stamp: float
+    images: torch.Tensor  # [1, slots, 3, H, W] in [-1, 1]
+    image_mask: torch.Tensor  # [1, slots] bool
+    tokens: torch.Tensor  # [1, L] long
+    token_mask: torch.Tensor  # [1, L] bool
+    noise: torch.Tensor  # [1, horizon, action_dim]
+
+
+@dataclass
+class FrameOutput:
+    actions: torch.Tensor  # [horizon, action_dim], normalised model space
+    # (request, token, tokens so far, last) in emission order.
+    tokens: list[tuple[Request, int, int, bool]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # done or cancelled this frame
+    rejected: Request | None = None
+    timing: dict = field(default_factory=dict)
+
+
+class Clock:
+    """Wall time in ms that waits for the device, so phase times are real."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == 'cuda'
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() * 1e3
+
+
+class AdaptiveK:
+    """Decides, before each decode step, whether one more fits in the frame budget.
+
+    Step times are learned per batch size from the recent past; the estimate is the slowest
+    of the last few, so a noisy machine makes it cautious rather than late. The action chunk
+    is already out when this is asked: only language yields to the deadline.
+    """
+
+    def __init__(self, budget_ms: float, k_max: int, history: int = 16):
+        self.budget_ms = budget_ms
+        self.k_max = k_max
+        self._seen: dict[int, collections.deque] = {}
+        self._history = history
+
+    def observe(self, batch: int, ms: float) -> None:
+        self._seen.setdefault(batch, collections.deque(maxlen=self._history)).append(ms)
+
+    def estimate(self, batch: int) -> float | None:
+        if batch in self._seen:
+            return max(self._seen[batch])
+        bigger = [b for b in self._seen if b > batch]
+        if bigger:
+            return max(self._seen[min(bigger)])
+        smaller = [b for b in self._seen if b < batch]
+        if smaller:
+            b = max(smaller)
+            # A decode step grows at most linearly with the batch.
+            return max(self._seen[b]) * batch / b
+        return None
+
+    def fits(self, elapsed_ms: float, steps_done: int, batch: int) -> bool:
+        if steps_done >= self.k_max:
+            return False
+        est = self.estimate(batch)
+        if est is None:
+            # Nothing measured yet: one step to learn from, never more.
+            return steps_done == 0
+        return elapsed_ms + est <= self.budget_ms
+
+
+class Scheduler:
+    def __init__(self, model, cache: KVCache, mode: str = 'oxygen', denoise_steps: int = 10,
+                 decode_k: int = 5, frame_budget_ms: float = 1000 * 10 / 70,
+                 admission: str = 'drop_oldest', max_pending: int = 4,
+                 vocab_limit: int | None = None):
+        if mode not in MODES:
+            raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+        if admission not in ADMISSION:
+            raise ValueError(f'admission must be one of {ADMISSION}, got {admission!r}')
+        if denoise_steps < 1:
+            raise ValueError(f'denoise_steps must be >= 1, got {denoise_steps}')
+        if decode_k < 0:
+            raise ValueError(f'decode_k must be >= 0 (0 = adaptive), got {decode_k}')
+        self.model = model
+        self.cache = cache
+        self.mode = mode
+        self.denoise_steps = denoise_steps
+        self.decode_k = decode_k
+        self.admission = admission
+        self.max_pending = max_pending
+        self.vocab_limit = vocab_limit
+        self.frame_budget_ms = frame_budget_ms
+        self.adaptive = AdaptiveK(frame_budget_ms, k_max=cache.max_new_tokens) \
+            if decode_k == 0 else None
+        self.active: list[Request] = []
+        self.pending: collections.deque[tuple[Request, Frame]] = collections.deque()
+        self._hidden: dict[int, torch.Tensor] = {}  # first-token hidden of new requests
+        self.clock = Clock(cache.kv.device)
+        self.deadline_misses = 0
+        self.rejected = 0
+        self.dropped = 0
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _admit(self, request: Request, out: FrameOutput) -> int | None:
+        if self.admission == 'wait' and self.pending:
+            return None  # first come, first served: queue behind the waiting ones
+        row = self.cache.alloc()
+        if row is not None:
+            return row
+        if self.admission == 'drop_oldest' and self.active:
+            oldest = min(self.active, key=lambda r: r.stamp)
+            self._finish(oldest, out, cancelled=True)
+            self.dropped += 1
+            return self.cache.alloc()
+        if self.admission == 'wait':
+            # Waits for a row; its prefill is redone then, in language time, never the actions'.
+            return None
+        self.rejected += 1
+        out.rejected = request
+        return None
+
+    def _finish(self, r: Request, out: FrameOutput, cancelled: bool = False) -> None:
+        r.finished = True
+        r.cancelled = cancelled
+        self.cache.free(r.row)
+        r.row = None
+        self.active.remove(r)
+        self._hidden.pop(r.id, None)
+        out.finished.append(r)
+
+    def cancel_all(self) -> list[Request]:
+        out = FrameOutput(actions=torch.empty(0))
+        for r in list(self.active):
+            self._finish(r, out, cancelled=True)
+        self.pending.clear()
+        return out.finished
+
+    # -- phases ----------------------------------------------------------------------------
+
+    def _prefill(self, f: Frame, row: int) -> torch.Tensor:
+        return self.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask,
+                                  self.cache.kv, slice(row, row + 1))
+
+    def _start(self, request: Request, row: int, hidden: torch.Tensor) -> None:
+        request.row = row
+        self.active.append(request)
+        self._hidden[request.id] = hidden
+
+    def _decode_step(self, out: FrameOutput) -> int:
+        """One token for every active request in one batch; returns the batch size."""
+        passes = [r for r in self.active if r.needs_pass]
+        fresh = [r for r in self.active if not r.tokens]
+        if not passes and not fresh:
+            return 0
+        hidden = []
+        if passes:
+            rows = torch.tensor([r.row for r in passes], device=self.cache.kv.device)
+            last = torch.tensor([r.tokens[-1] for r in passes], device=self.cache.kv.device)
+            hidden.append(self.model.decode_hidden(self.cache.kv, rows, last))
+        hidden += [self._hidden.pop(r.id) for r in fresh]
+        # Fresh requests' first tokens share the batch's one pass over the output layer.
+        logits = self.model.logits(torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+        batch = passes + fresh
+        for r, t in zip(batch, sample(logits, batch, self.vocab_limit)):
+            r.append(t)
+            out.tokens.append((r, t, len(r.tokens), r.finished))
+            if r.finished:
+                self._finish(r, out)
+        return len(batch)
+
+    def decode_to_end(self, out: FrameOutput) -> list[int]:
+        """Decode until no request is active (the in-frame language of the baselines)."""
+        batches = []
+        while self.active:
+            batches.append(self._decode_step(out))
+        return batches
+
+    def _admit_pending(self, out: FrameOutput) -> None:
+        while self.pending and self.cache.free_rows:
+            request, f = self.pending.popleft()
+            row = self.cache.alloc()
+            self._start(request, row, self._prefill(f, row))
+
+    # -- one frame -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, f: Frame, request: Request | None = None, on_actions=None) -> FrameOutput:
+        clock = self.clock
+        t0 = clock()
+        out = FrameOutput(actions=torch.empty(0))
+        row = None
+        if request is not None and self.mode != 'isolated':
+            row = self._admit(request, out)
+        shared = row if row is not None else self.cache.scratch
+        hidden = self._prefill(f, shared)
+        t1 = clock()
+        actions = self.model.denoise(self.cache.kv, slice(shared, shared + 1), f.noise,
+                                     self.denoise_steps)[0]
+        t2 = clock()
+        out.actions = actions
+        if on_actions is not None:
+            on_actions(actions)
+
+        # Language: only after the action chunk is out.
+        if request is not None:
+            if self.mode == 'isolated':
+                row = self._admit(request, out)
+                if row is not None:
+                    hidden = self._prefill(f, row)  # the baseline's second prefill
+            if row is not None:
+                self._start(request, row, hidden)
+            elif self.admission == 'wait' and out.rejected is None:
+                self.pending.append((request, f))
+                while len(self.pending) > self.max_pending:
+                    self.pending.popleft()
+                    self.dropped += 1
+        self._admit_pending(out)
+        t3 = clock()
+
+        steps = 0
+        batches = []
+        if self.mode == 'oxygen':
+            while True:
+                now = clock()
+                batch = len(self.active)
+                if not batch:
+                    break
+                if self.adaptive is not None:
+                    if not self.adaptive.fits(now - t0, steps, batch):
+                        break
+                elif steps >= self.decode_k:
+                    break
+                b = self._decode_step(out)
+                if self.adaptive is not None:
+                    self.adaptive.observe(b, clock() - now)
+                batches.append(b)
+                steps += 1
+        else:
+            batches = self.decode_to_end(out)
+            steps = len(batches)
+        t4 = clock()
+        frame_ms = t4 - t0
+        if frame_ms > self.frame_budget_ms:
+            self.deadline_misses += 1
+        out.timing = dict(prefill_ms=t1 - t0, denoise_ms=t2 - t1, decode_ms=t4 - t3,
+                          language_prefill_ms=t3 - t2, frame_ms=frame_ms, k=steps,
+                          batches=batches)
+        return out
