@@ -132,16 +132,19 @@ class Engine:
         if self.tokenizer.vocab_size > self.model_cfg.vocab:
             raise ValueError(f'tokenizer has {self.tokenizer.vocab_size} pieces but the model '
                              f'only {self.model_cfg.vocab}')
-        dtype = next(model.parameters()).dtype
-        self.cache = KVCache(self.model_cfg, cfg.max_requests, cfg.max_new_tokens,
-                             device=self.device, dtype=dtype)
+        if cfg.compile:
+            _compile(model)
+        dtype = model.dtype
         budget = cfg.frame_budget_ms or 1000.0 * self.model_cfg.action_horizon / cfg.control_rate_hz
         if cfg.mode == 'parallel':
             self.scheduler = ParallelScheduler(
                 model, cfg.max_requests, cfg.max_new_tokens, cfg.denoise_steps,
                 vocab_limit=self.tokenizer.vocab_size, device=self.device, dtype=dtype,
                 frame_budget_ms=budget)
+            self.cache = self.scheduler.lang.cache
         else:
+            self.cache = KVCache(self.model_cfg, cfg.max_requests, cfg.max_new_tokens,
+                                 device=self.device, dtype=dtype)
             self.scheduler = Scheduler(
                 model, self.cache, mode=cfg.mode, denoise_steps=cfg.denoise_steps,
                 decode_k=cfg.decode_k, frame_budget_ms=budget, admission=cfg.admission,
@@ -281,6 +284,16 @@ class Engine:
             rejected_requests=s.rejected,
             dropped_requests=s.dropped,
         )
+
+
+def _compile(model) -> None:
+    """Compile the per-token and per-step work, the parts run many times per frame.
+
+    Shapes vary with the batch and the cache length, so the graphs are dynamic; on CUDA the
+    launch overhead these phases are made of is what compiling removes.
+    """
+    model.decode_hidden = torch.compile(model.decode_hidden, dynamic=True)
+    model._velocity = torch.compile(model._velocity, dynamic=True)
 
 
 def _load_model(cfg: EngineConfig, device: torch.device):
