@@ -24,7 +24,8 @@ def fix(path: pathlib.Path) -> bool:
             if d and not pathlib.Path(d).exists():
                 d = numpy_inc if 'numpy' in d else python_inc
             dirs.append(d)
-        return 'INTERFACE_INCLUDE_DIRECTORIES "%s"' % ';'.join(dirs)
+        joined = ';'.join(dirs)
+        return f'INTERFACE_INCLUDE_DIRECTORIES "{joined}"'
 
     new = re.sub(r'INTERFACE_INCLUDE_DIRECTORIES "([^"]*)"', repl, text)
     if new != text:

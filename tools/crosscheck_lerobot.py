@@ -1,0 +1,392 @@
+"""Numerical cross-check of oxygen_ros.model against LeRobot's pi0.5 (PI05Pytorch).
+
+What it checks, on a tiny randomly initialised model (fp32, CPU, openpi's bidirectional prompt,
+a batch of 3 rows: all cameras / middle camera masked / only the middle camera, with prompts
+right-padded to different lengths, one not padded at all):
+  1. checkpoint.py key mapping: LeRobot's state_dict, written to safetensors both in LeRobot's
+     layout ("model." prefix, embed_tokens + tied lm_head) and in openpi's (no prefix, lm_head
+     only), loads with our load_checkpoint(strict) and gives the same outputs;
+  2. prefill: the prefix keys (after RoPE) and values of every layer at the valid columns, the
+     final-normed hidden state at the last valid prefix token, and the language logits there
+     (LeRobot does not expose them; computed from its PaliGemma lm_head);
+  3. denoise: the velocity of one step at t=1, our uncached forward_full against it, the whole
+     10-step Euler trajectory driven by LeRobot's denoise_step at our (openpi's) fp32 times,
+     and LeRobot's own sample_actions (whose times are 1 + k*dt rounded from float64 instead
+     of accumulated in fp32, a tiny known difference: reported, with a looser bound);
+  4. decode_step: logits after two appended tokens. LeRobot's pi0.5 has no text decoding, so
+     the reference steps its PaliGemma language model (the HF Gemma with its KV cache) by hand
+     with OxyGen's convention (attend the valid prefix and earlier new tokens, positions
+     continuing from the valid prefix count): this checks the arithmetic, not the convention;
+  5. sensitivity: a causal prompt, a masked camera treated as valid, and a zeroed adaRMS
+     layer must each move the results well past the tolerances, so the check can fail.
+Not covered: bf16 (LeRobot 0.6 also keeps the whole vision tower in fp32, openpi and we only
+its patch/position embeddings), the "causal" prompt flavour itself (LeRobot has none), image
+preprocessing, tokenizer, normalisation, and real pi0.5 dims or weights.
+
+LeRobot's modelling code is used unmodified. Only its plumbing is bypassed: its model needs 8
+query heads (it hard-codes the attention reshape) and takes Gemma variants by name, so the
+tiny dims are injected by wrapping the constructors it calls; lerobot>=0.5 declares
+Python>=3.12 and some of its non-model modules use 3.12-only syntax, so its package
+__init__ files, config and policy base classes are replaced by stubs here and the modelling
+files (policies/pi_gemma.py, policies/pi05/modeling_pi05.py, policies/common/*) are imported
+directly, so neither torchvision nor the rest of LeRobot's dependencies are needed.
+
+Run it in a separate environment, never the project's venv:
+    python3 -m venv /tmp/xcheck-venv
+    /tmp/xcheck-venv/bin/pip install torch==2.13.0
+    /tmp/xcheck-venv/bin/pip install --no-deps --ignore-requires-python lerobot==0.6.1
+    /tmp/xcheck-venv/bin/pip install 'transformers==5.5.4' 'draccus>=0.11.6,<0.12' \
+        'torch==2.13.0'
+    PYTHONPATH=/work/main OMP_NUM_THREADS=1 /tmp/xcheck-venv/bin/python \
+        tools/crosscheck_lerobot.py
+(--no-deps also skips LeRobot's torch<2.12 pin; nothing used here depends on it. Checked with
+lerobot 0.6.1, transformers 5.5.4, torch 2.13.0+cpu, Python 3.11; about 10 s on one core.)
+Exits 0 when every difference is within its tolerance, 1 otherwise. Not a pytest test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tempfile
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+torch.set_num_threads(1)
+
+# --------------------------------------------------------------------------- LeRobot import
+
+
+class _AnyModule(types.ModuleType):
+    """A stub whose every attribute is a do-nothing class."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        cls = type(name, (), {"__init__": lambda self, *a, **k: None})
+        setattr(self, name, cls)
+        return cls
+
+
+def import_lerobot_pi05():
+    """modeling_pi05 and pi_gemma, loaded from the installed LeRobot without its plumbing."""
+    spec = importlib.util.find_spec("lerobot")
+    if spec is None:
+        sys.exit("lerobot is not installed in this interpreter; see the module docstring")
+    root = Path(spec.submodule_search_locations[0])
+
+    def package(name, path):
+        module = types.ModuleType(name)
+        module.__path__ = [str(path)]
+        sys.modules[name] = module
+
+    def stub(name, **attrs):
+        module = _AnyModule(name)
+        module.__dict__.update(attrs)
+        sys.modules[name] = module
+
+    package("lerobot.policies", root / "policies")
+    package("lerobot.policies.pi05", root / "policies" / "pi05")
+    package("lerobot.policies.common", root / "policies" / "common")
+    package("lerobot.policies.rtc", root / "policies" / "rtc")
+    stub("lerobot.configs")
+    stub("lerobot.policies.pretrained", T=object)
+    stub("lerobot.policies.rtc.modeling_rtc")
+    stub("lerobot.policies.pi05.configuration_pi05", DEFAULT_IMAGE_SIZE=224)
+    import lerobot
+    from lerobot.policies import pi_gemma
+    from lerobot.policies.pi05 import modeling_pi05
+    return modeling_pi05, pi_gemma, getattr(lerobot, "__version__", "?")
+
+
+# --------------------------------------------------------------------------- dimensions
+
+VOCAB = 1024
+VLM = dict(width=64, depth=4, mlp=128, heads=8, kv_heads=1, head_dim=16)  # openpi "dummy"
+EXPERT = dict(width=32, depth=4, mlp=64, heads=8, kv_heads=1, head_dim=16)  # narrower
+VISION = dict(width=32, depth=2, mlp=64, heads=2, patch=14, image_size=56)
+ACTION_DIM, HORIZON, MAX_TOKENS, STEPS = 32, 10, 24, 10
+
+
+def our_config():
+    from oxygen_ros.model import load_config
+    return load_config("tiny", name="xcheck", vlm=VLM, expert=EXPERT, vision=VISION,
+                       vocab=VOCAB, action_dim=ACTION_DIM, action_horizon=HORIZON,
+                       max_token_len=MAX_TOKENS, prompt_attention="bidirectional")
+
+
+def build_lerobot(m, pg):
+    """PI05Pytorch with the tiny dims, constructed through LeRobot's own code path."""
+    variants = {"xc_vlm": VLM, "xc_expert": EXPERT}
+
+    def get_gemma_config(name):
+        v = variants[name]
+        return m.GemmaConfig(width=v["width"], depth=v["depth"], mlp_dim=v["mlp"],
+                             num_heads=v["heads"], num_kv_heads=v["kv_heads"],
+                             head_dim=v["head_dim"])
+
+    def paligemma(config):
+        config.text_config.vocab_size = VOCAB
+        vc = config.vision_config
+        vc.hidden_size, vc.num_hidden_layers = VISION["width"], VISION["depth"]
+        vc.intermediate_size, vc.num_attention_heads = VISION["mlp"], VISION["heads"]
+        vc.patch_size, vc.image_size = VISION["patch"], VISION["image_size"]
+        vc.projection_dim = config.projection_dim = VLM["width"]
+        return pg.PaliGemmaForConditionalGenerationWithPiGemma(config)
+
+    def expert(config):
+        config.vocab_size = VOCAB
+        return pg.PiGemmaForCausalLM(config)
+
+    m.get_gemma_config = get_gemma_config
+    m.PaliGemmaForConditionalGenerationWithPiGemma = paligemma
+    m.PiGemmaForCausalLM = expert
+    cfg = SimpleNamespace(
+        paligemma_variant="xc_vlm", action_expert_variant="xc_expert",
+        image_resolution=(VISION["image_size"],) * 2, dtype="float32",
+        freeze_vision_encoder=False, train_expert_only=False, max_action_dim=ACTION_DIM,
+        chunk_size=HORIZON, n_action_steps=HORIZON, num_inference_steps=STEPS,
+        min_period=4e-3, max_period=4.0, compile_model=False, rtc_config=None,
+        time_sampling_beta_alpha=1.5, time_sampling_beta_beta=1.0,
+        time_sampling_scale=0.999, time_sampling_offset=0.001)
+    return m.PI05Pytorch(cfg).eval()
+
+
+@torch.no_grad()
+def randomise(model: torch.nn.Module, seed: int = 0):
+    """Replace every parameter with seeded values of O(1) effect, so that nothing that is
+    zero-initialised (adaRMS dense layers, norm offsets, biases) drops out of the check."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        if "embed_tokens" in name or "lm_head" in name:
+            p.copy_(noise / p.shape[-1] ** 0.5)
+        elif "position_embedding" in name:
+            p.copy_(0.5 * noise)
+        elif p.ndim >= 2:
+            fan_in = p[0].numel()
+            p.copy_(noise / fan_in ** 0.5)
+        elif "layer_norm" in name or "post_layernorm" in name:
+            p.copy_((1.0 + 0.2 * noise) if name.endswith("weight") else 0.2 * noise)
+        else:  # Gemma norm offsets (stored as 1 + w) and biases
+            p.copy_(0.2 * noise)
+    # pi0.5 ties the LM head to the token embedding; LeRobot restores the tie on load by
+    # copying lm_head into embed_tokens (openpi files hold lm_head only).
+    pali = model.paligemma_with_expert.paligemma
+    pali.model.language_model.embed_tokens.weight.copy_(pali.lm_head.weight)
+
+
+def export(model: torch.nn.Module, directory: Path) -> dict[str, Path]:
+    """The state dict in LeRobot's saved layout and in openpi's."""
+    from safetensors.torch import save_file
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    embed = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+    head = "paligemma_with_expert.paligemma.lm_head.weight"
+    if not torch.equal(sd[embed], sd[head]):
+        raise SystemExit("LeRobot's lm_head is not tied to embed_tokens")
+    out = {}
+    out["lerobot"] = directory / "lerobot.safetensors"
+    save_file({f"model.{k}": v for k, v in sd.items()}, str(out["lerobot"]))
+    openpi = {k: v for k, v in sd.items() if k != embed}
+    out["openpi"] = directory / "openpi.safetensors"
+    save_file(openpi, str(out["openpi"]))
+    return out
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def make_inputs(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    b, s, size = 3, 3, VISION["image_size"]
+    images = torch.rand(b, s, 3, size, size, generator=g) * 2 - 1
+    # all cameras; the middle one missing; only the middle one (and a prompt without padding)
+    image_mask = torch.tensor([[True, True, True], [True, False, True], [False, True, False]])
+    images[~image_mask] = 0.0  # a missing camera arrives as a masked zero image
+    lengths = torch.tensor([9, 17, MAX_TOKENS])
+    tokens = torch.randint(2, VOCAB, (b, MAX_TOKENS), generator=g)
+    token_mask = torch.arange(MAX_TOKENS)[None] < lengths[:, None]
+    tokens[~token_mask] = 0
+    noise = torch.randn(b, HORIZON, ACTION_DIM, generator=g)
+    decoded = torch.randint(2, VOCAB, (b, 2), generator=g)
+    return images, image_mask, tokens, token_mask, noise, decoded
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+class Report:
+    def __init__(self):
+        self.rows, self.failed = [], False
+
+    def add(self, what, ours, ref, tol):
+        ours, ref = ours.double(), ref.double()
+        if ours.shape != ref.shape:
+            raise SystemExit(f"{what}: shape {tuple(ours.shape)} vs {tuple(ref.shape)}")
+        diff = (ours - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        ok = diff <= tol
+        self.failed |= not ok
+        self.rows.append(f"{'ok  ' if ok else 'FAIL'} {what:62s} max|diff| {diff:.3e} "
+                         f"(max|ref| {scale:.2e}, tol {tol:.0e})")
+
+    def differs(self, what, ours, ref, floor):
+        """A deliberately broken variant must move the result by more than ``floor``."""
+        diff = (ours.double() - ref.double()).abs().max().item()
+        ok = diff > floor
+        self.failed |= not ok
+        self.rows.append(f"{'ok  ' if ok else 'FAIL'} sensitivity: {what:49s} max|diff| "
+                         f"{diff:.3e} (must exceed {floor:.0e})")
+
+    def print(self):
+        print("\n".join(self.rows))
+
+
+@torch.no_grad()
+def lerobot_reference(m, model, images, image_mask, tokens, token_mask, noise, decoded, times,
+                      dt):
+    """LeRobot's prefill, first velocity, trajectory at the given times, sample_actions, and
+    logits after each of the ``decoded`` tokens [B, G]."""
+    imgs = list(images.unbind(1))
+    masks = list(image_mask.unbind(1))
+    pwe = model.paligemma_with_expert
+    embs, pad, att = model.embed_prefix(imgs, masks, tokens, token_mask)
+    att4 = m.prepare_attention_masks_4d(m.make_att_2d_masks(pad, att))
+    pwe.paligemma.model.language_model.config._attn_implementation = "eager"
+    (hidden, _), cache = pwe.forward(attention_mask=att4, position_ids=pad.cumsum(1) - 1,
+                                     past_key_values=None, inputs_embeds=[embs, None],
+                                     use_cache=True)
+    last = (pad * torch.arange(1, pad.shape[1] + 1)).argmax(1)
+    h_last = hidden[torch.arange(hidden.shape[0]), last]
+    kv = [(k, v) for k, v, *_ in cache]
+    out = {"pad": pad, "kv": kv, "hidden": h_last,
+           "logits": pwe.paligemma.lm_head(h_last).float()}
+
+    # Text decoding is not part of LeRobot's pi0.5; this steps its PaliGemma language model
+    # by hand with the convention OxyGen decodes with: each new token attends to the valid
+    # prefix and the earlier new tokens, at positions continuing from the valid prefix count.
+    lm = pwe.paligemma.model.language_model
+    dec_cache = m.clone_past_key_values(cache)
+    out["decode"] = []
+    for j in range(decoded.shape[1]):
+        seen = torch.cat((pad, torch.ones(pad.shape[0], j + 1, dtype=torch.bool)), 1)
+        step = lm.forward(inputs_embeds=lm.get_input_embeddings()(decoded[:, j:j + 1]),
+                          attention_mask=m.prepare_attention_masks_4d(seen[:, None, :]),
+                          position_ids=pad.sum(1, keepdim=True) + j,
+                          past_key_values=dec_cache, use_cache=True)
+        out["decode"].append(pwe.paligemma.lm_head(step.last_hidden_state[:, 0]).float())
+
+    def velocity(x, t):
+        tt = torch.full((x.shape[0],), t, dtype=torch.float32)
+        return model.denoise_step(prefix_pad_masks=pad, past_key_values=cache, x_t=x,
+                                  timestep=tt)
+
+    out["v1"] = velocity(noise, 1.0)
+    x, vs = noise, []
+    for t in times:
+        vs.append(velocity(x, t))
+        x = x + dt * vs[-1]
+    out["trajectory"], out["velocities"] = x, vs
+    out["sample_actions"] = model.sample_actions(imgs, masks, tokens, token_mask,
+                                                 noise=noise.clone(), num_steps=STEPS)
+    return out
+
+
+@torch.no_grad()
+def ours(model, images, image_mask, tokens, token_mask, noise, decoded):
+    from oxygen_ros.model import KV
+    cfg = model.cfg
+    kv = KV.allocate(cfg, rows=images.shape[0], max_len=cfg.prefix_len + decoded.shape[1])
+    hidden = model.prefill(images, image_mask, tokens, token_mask, kv, slice(None))
+    # Keys and values of the valid prefix columns, in order, before decoding appends any.
+    valid = [kv.valid[r, :kv.length[r]].clone() for r in range(kv.rows)]
+    prefix_kv = [(torch.cat([kv.k[i][r, :, :len(c)][:, c] for r, c in enumerate(valid)], 1),
+                  torch.cat([kv.v[i][r, :, :len(c)][:, c] for r, c in enumerate(valid)], 1))
+                 for i in range(kv.depth)]
+    out = {"kv": prefix_kv, "hidden": hidden, "logits": model.logits(hidden)}
+    trace1: list = []
+    model.denoise(kv, slice(None), noise, steps=1, trace=trace1)
+    out["v1"] = trace1[0]
+    out["v1_full"] = model.forward_full(images, image_mask, tokens, token_mask, noise, 1.0)
+    trace: list = []
+    out["actions"] = model.denoise(kv, slice(None), noise, steps=STEPS, trace=trace)
+    out["velocities"] = trace
+    rows = torch.arange(images.shape[0])
+    out["decode"] = [model.decode_step(kv, rows, decoded[:, j])
+                     for j in range(decoded.shape[1])]
+    return out
+
+
+def compare(report, tag, mine, ref):
+    pad = ref["pad"]
+    for layer, ((k, v), (k_ref, v_ref)) in enumerate(zip(mine["kv"], ref["kv"], strict=True)):
+        # LeRobot's cache holds every column of [cameras | max_token_len]; ours packs present
+        # cameras to the front, so compare the valid columns of each row, in order.
+        k_ref = torch.cat([k_ref[r][:, pad[r]] for r in range(pad.shape[0])], 1)
+        v_ref = torch.cat([v_ref[r][:, pad[r]] for r in range(pad.shape[0])], 1)
+        report.add(f"[{tag}] prefix keys (RoPE'd), layer {layer}, valid cols", k, k_ref, 1e-4)
+        report.add(f"[{tag}] prefix values, layer {layer}, valid cols", v, v_ref, 1e-4)
+    report.add(f"[{tag}] final-normed hidden at last valid prefix token",
+               mine["hidden"], ref["hidden"], 1e-4)
+    report.add(f"[{tag}] language logits at last valid prefix token",
+               mine["logits"], ref["logits"], 1e-4)
+    report.add(f"[{tag}] velocity, one denoise step at t=1 (cached)", mine["v1"], ref["v1"],
+               1e-4)
+    report.add(f"[{tag}] velocity at t=1, our uncached forward_full", mine["v1_full"],
+               ref["v1"], 1e-4)
+    worst = max(range(STEPS), key=lambda i: (mine["velocities"][i]
+                                             - ref["velocities"][i]).abs().max().item())
+    report.add(f"[{tag}] velocity, worst of {STEPS} steps (step {worst})",
+               mine["velocities"][worst], ref["velocities"][worst], 1e-4)
+    report.add(f"[{tag}] actions after {STEPS} steps, same fp32 times",
+               mine["actions"], ref["trajectory"], 1e-4)
+    report.add(f"[{tag}] actions vs LeRobot sample_actions (1+k*dt times)",
+               mine["actions"], ref["sample_actions"], 1e-3)
+    for j, (a, r) in enumerate(zip(mine["decode"], ref["decode"], strict=True)):
+        report.add(f"[{tag}] logits after decoded token {j} (hand-stepped HF Gemma)", a, r,
+                   1e-4)
+
+
+def main() -> int:
+    m, pg, version = import_lerobot_pi05()
+    import transformers
+
+    from oxygen_ros.model import load_checkpoint
+    from oxygen_ros.model.pi05 import flow_times
+    print(f"LeRobot {version}, transformers {transformers.__version__}, torch {torch.__version__}")
+    torch.manual_seed(0)
+    ref_model = build_lerobot(m, pg)
+    randomise(ref_model)
+    inputs = make_inputs()
+    times, dt = flow_times(STEPS)
+    ref = lerobot_reference(m, ref_model, *inputs, times, dt)
+    report = Report()
+    cfg = our_config()
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout, path in export(ref_model, Path(tmp)).items():
+            model, _, info = load_checkpoint(path, cfg=cfg)
+            if layout == "lerobot" and not info["prefixed"]:
+                raise SystemExit("the LeRobot export was not recognised as prefixed")
+            compare(report, layout, ours(model, *inputs), ref)
+        # The check must be able to fail: each broken variant has to move the results.
+        path = Path(tmp) / "openpi.safetensors"
+        images, image_mask, tokens, token_mask, noise, decoded = inputs
+        causal, _, _ = load_checkpoint(path, cfg=cfg.replace(prompt_attention="causal"))
+        report.differs("causal prompt (OxyGen flavour) -> logits",
+                       ours(causal, *inputs)["logits"], ref["logits"], 1e-2)
+        report.differs("masked camera treated as valid -> logits",
+                       ours(model, images, torch.ones_like(image_mask), tokens, token_mask,
+                            noise, decoded)["logits"], ref["logits"], 1e-2)
+        model.expert[0].norm1.weight.zero_()
+        report.differs("expert layer 0 adaRMS weight zeroed -> v(t=1)",
+                       ours(model, *inputs)["v1"], ref["v1"], 1e-2)
+    report.print()
+    print("FAILED" if report.failed else "all within tolerance")
+    return int(report.failed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
