@@ -91,7 +91,9 @@ def gripper_to_angular(x: np.ndarray) -> np.ndarray:
     """ALOHA normalised finger position [0, 1] -> pi0's normalised servo angle."""
     d = _unnormalize(x, GRIPPER_POSITION_CLOSE, GRIPPER_POSITION_OPEN)
     r, a = GRIPPER_HORN_RADIUS, GRIPPER_ARM_LENGTH
-    angle = np.arcsin(np.clip((r**2 + d**2 - a**2) / (2 * r * d), -1.0, 1.0))
+    # d = 0 (fingers fully closed past the calibrated range) is the limit the clip gives.
+    with np.errstate(divide='ignore'):
+        angle = np.arcsin(np.clip((r**2 + d**2 - a**2) / (2 * r * d), -1.0, 1.0))
     return _normalize(angle, PI_GRIPPER_MIN, PI_GRIPPER_MAX)
 
 

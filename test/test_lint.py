@@ -10,6 +10,7 @@ root = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(shutil.which('ruff') is None, reason='ruff is not installed (pip install ruff)')
 def test_ruff():
-    paths = [p for p in ('oxygen_ros', 'test', 'tools', 'launch', 'setup.py') if (root / p).exists()]
+    paths = ['oxygen_ros', 'test', 'tools', 'launch', 'setup.py']
+    paths = [p for p in paths if (root / p).exists()]
     out = subprocess.run(['ruff', 'check', *paths], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,4 +1,4 @@
-"""The generated interfaces are importable from the install space and carry the documented fields."""
+"""The generated interfaces import from the install space and carry the documented fields."""
 import pytest
 
 msg = pytest.importorskip('oxygen_ros.msg', reason='oxygen_ros.msg exists only in a colcon build')

@@ -70,23 +70,37 @@ case "${1:-}" in
     build
     use_install
     rm -rf build/oxygen_ros/test_results
+    # -rs: every skipped test prints its reason.
+    export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:+$PYTEST_ADDOPTS }-rs"
     status=0
     colcon test --base-paths "$root" --packages-select oxygen_ros \
       --return-code-on-test-failure --event-handlers console_direct+ || status=$?
-    colcon test-result --test-result-base build/oxygen_ros --verbose || status=$?
+    colcon test-result --test-result-base build/oxygen_ros --verbose | tee build/test-summary.txt \
+      || status=$?
+    # One plain closing line: passed, failed and skipped counts over every test target.
+    python - <<'PY'
+import re
+line = open('build/test-summary.txt').read().strip().splitlines()[-1]
+n = dict(zip(('tests', 'errors', 'failures', 'skipped'), map(int, re.findall(r'\d+', line))))
+failed = n['errors'] + n['failures']
+print(f"tests: {n['tests'] - failed - n['skipped']} passed, {failed} failed, {n['skipped']} skipped")
+PY
     exit "$status"
     ;;
   demo)
     build
     use_install
     shift
+    # Run from the install space: in the repository root the sources (which lack the
+    # generated oxygen_ros.msg) would shadow the installed package.
+    cd "$root/install"
     exec python -m oxygen_ros.demo "$@"
     ;;
   bench)
     build
     use_install
     shift
-    exec python -m oxygen_ros.engine.bench "$@"
+    exec python -m oxygen_ros.engine.bench --out "$root/benchmarks/out" "$@"
     ;;
   *)
     echo "usage: tools/ws.sh setup|build|test|demo|bench [args]" >&2
