@@ -1,0 +1,319 @@
+"""Turning a robot's separate input streams into frames the engine can run on.
+
+Cameras and joint readers publish at their own rates, so each input holds its latest
+samples and a frame is built once all inputs are recent and close enough in time to
+describe the same moment. Nothing here imports ROS: the node feeds plain values in, and the
+tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Channels per supported encoding, and how to reach RGB from it.
+ENCODINGS = {'rgb8': 3, 'bgr8': 3, 'rgba8': 4, 'bgra8': 4, 'mono8': 1}
+
+
+@dataclass
+class Sample:
+    value: object
+    stamp: float  # seconds, the time the sample describes
+    seq: int  # bumps on every put, so a frame knows what is new
+
+
+@dataclass
+class Frame:
+    stamp: float  # the newest stamp used: what the frame describes
+    values: dict[str, object]  # None for an optional input that was missing or stale
+    stamps: dict[str, float]
+    notes: list[str] = field(default_factory=list)  # optional inputs left out, and why
+
+
+class Assembler:
+    """Sample hold over named inputs.
+
+    An input is usable when its latest sample is younger than max_input_age. A frame needs
+    every required input usable; it takes the newest sample of the `trigger` inputs (default:
+    all) and from every other input the held sample closest in time to it, and those must be
+    within max_skew of each other. Choosing by time rather than simply the latest keeps a
+    100 Hz joint stream from looking skewed against a camera image that waited while the
+    model was busy, and gives the state the image was taken with. Optional inputs that are
+    missing or stale are left out (None) instead of blocking the frame. A frame is only
+    built when a trigger input got a new sample since the last frame, so the same data is
+    not run twice and frames follow e.g. the main camera's rate.
+    """
+
+    # Enough for 0.5 s of a 100 Hz stream; older samples are pruned by time anyway.
+    HISTORY = 64
+
+    def __init__(
+        self,
+        required: Iterable[str],
+        optional: Iterable[str] = (),
+        max_input_age: float = 0.5,
+        max_skew: float = 0.1,
+        trigger: Iterable[str] | None = None,
+    ):
+        self.required = list(required)
+        self.optional = [n for n in optional if n not in self.required]
+        if not self.required:
+            raise ValueError('a frame needs at least one required input')
+        if max_input_age <= 0 or max_skew < 0:
+            raise ValueError(
+                f'max_input_age must be > 0 and max_skew >= 0, got {max_input_age}, {max_skew}'
+            )
+        self.max_input_age = max_input_age
+        self.max_skew = max_skew
+        self.trigger = set(self.names if trigger is None else trigger)
+        unknown = sorted(self.trigger - set(self.names))
+        if unknown:
+            raise ValueError(f'trigger inputs {unknown} are not inputs {self.names}')
+        self._samples: dict[str, collections.deque[Sample]] = {}
+        self._seq = 0
+        self._taken = 0
+        self._new = 0  # seq of the newest trigger sample
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return self.required + self.optional
+
+    def put(self, name: str, value, stamp: float) -> None:
+        if name not in self.required and name not in self.optional:
+            raise KeyError(f'unknown input {name!r}; inputs are {self.names}')
+        stamp = float(stamp)
+        with self._lock:
+            self._seq += 1
+            held = self._samples.setdefault(name, collections.deque(maxlen=self.HISTORY))
+            held.append(Sample(value, stamp, self._seq))
+            # Nothing older than this can be within max_skew of a usable sample.
+            while held[0].stamp < stamp - self.max_input_age - self.max_skew:
+                held.popleft()
+            if name in self.trigger:
+                self._new = self._seq
+
+    def latest(self, name: str) -> Sample | None:
+        with self._lock:
+            held = self._samples.get(name)
+            return held[-1] if held else None
+
+    def fresh(self) -> bool:
+        """Whether a trigger input got a sample since the last frame was taken."""
+        with self._lock:
+            return self._new > self._taken
+
+    def ready(self, now: float) -> tuple[Frame | None, str | None]:
+        """(frame, None) when a frame can be built now, else (None, why not)."""
+        with self._lock:
+            held = {n: list(h) for n, h in self._samples.items()}
+            seq = self._seq
+            new = self._new > self._taken
+        # Staleness first: a trigger input that stopped must be named, not read as "no news".
+        problems = []
+        usable = []
+        for name in self.required:
+            why = self._unusable(held.get(name), now)
+            if why:
+                problems.append(f'{name} {why}')
+            else:
+                usable.append(name)
+        if problems:
+            return None, '; '.join(problems)
+        if not new:
+            return None, 'no new input since the last frame'
+        notes = []
+        for name in self.optional:
+            why = self._unusable(held.get(name), now)
+            if why:
+                notes.append(f'{name} {why}, left out')
+            else:
+                usable.append(name)
+        triggers = [n for n in usable if n in self.trigger] or usable
+        anchor = max(held[n][-1].stamp for n in triggers)
+        used = {n: min(held[n], key=lambda s: abs(s.stamp - anchor)) for n in usable}
+        skew = self._skew(used)
+        if skew:
+            return None, skew
+        values = {n: None for n in self.optional}
+        values.update({n: s.value for n, s in used.items()})
+        stamps = {n: s.stamp for n, s in used.items()}
+        with self._lock:
+            self._taken = seq
+        return Frame(max(stamps.values()), values, stamps, notes), None
+
+    def _unusable(self, held: list[Sample] | None, now: float) -> str | None:
+        if not held:
+            return 'missing (nothing received yet)'
+        age = now - held[-1].stamp
+        if age > self.max_input_age:
+            return f'stale ({age * 1e3:.0f} ms old, limit {self.max_input_age * 1e3:.0f} ms)'
+        return None
+
+    def _skew(self, used: Mapping[str, Sample]) -> str | None:
+        if len(used) < 2:
+            return None
+        oldest = min(used, key=lambda n: used[n].stamp)
+        newest = max(used, key=lambda n: used[n].stamp)
+        skew = used[newest].stamp - used[oldest].stamp
+        if skew > self.max_skew:
+            return (
+                f'inputs skewed: {oldest} is {skew * 1e3:.0f} ms older than {newest} '
+                f'(limit {self.max_skew * 1e3:.0f} ms)'
+            )
+        return None
+
+
+def check_image(encoding: str, height: int, width: int, step: int, size: int) -> int:
+    """Raise ValueError unless the image header describes a convertible buffer; returns the
+    channel count. Cheap enough to run in a subscription callback."""
+    channels = ENCODINGS.get(encoding)
+    if channels is None:
+        raise ValueError(
+            f'unsupported image encoding {encoding!r}; supported: {", ".join(ENCODINGS)}'
+        )
+    if height <= 0 or width <= 0:
+        raise ValueError(f'image has no pixels ({width}x{height})')
+    if step < width * channels:
+        raise ValueError(
+            f'image step {step} is shorter than a {width}-pixel {encoding} row '
+            f'({width * channels} bytes)'
+        )
+    if size < step * (height - 1) + width * channels:
+        raise ValueError(
+            f'image data has {size} bytes, a {width}x{height} {encoding} image with step '
+            f'{step} needs {step * height}'
+        )
+    return channels
+
+
+def to_rgb(encoding: str, height: int, width: int, step: int, data) -> np.ndarray:
+    """An HxWx3 uint8 RGB array from a raw image buffer (rows may be padded to `step`)."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    channels = check_image(encoding, height, width, step, buf.size)
+    if buf.size < step * height:
+        # The last row's padding may be cut off; pad so the strided view below is valid.
+        buf = np.concatenate([buf, np.zeros(step * height - buf.size, np.uint8)])
+    rows = buf[: step * height].reshape(height, step)[:, : width * channels]
+    px = rows.reshape(height, width, channels)
+    if encoding == 'rgb8':
+        out = px
+    elif encoding == 'bgr8':
+        out = px[:, :, ::-1]
+    elif encoding == 'rgba8':
+        out = px[:, :, :3]
+    elif encoding == 'bgra8':
+        out = px[:, :, 2::-1]
+    else:  # mono8; repeat already makes a new array
+        return np.repeat(px, 3, axis=2)
+    # A private, contiguous copy: the message buffer may be reused once we return.
+    return np.array(out, dtype=np.uint8, order='C')
+
+
+_bridge = None
+_bridge_checked = False
+
+
+def bridge():
+    """A cv_bridge CvBridge where cv_bridge is installed, else None."""
+    global _bridge, _bridge_checked
+    if not _bridge_checked:
+        _bridge_checked = True
+        try:
+            from cv_bridge import CvBridge
+
+            _bridge = CvBridge()
+        except ImportError:
+            _bridge = None
+    return _bridge
+
+
+def image_problem(msg) -> str | None:
+    """Why a sensor_msgs/Image cannot be converted, or None. Only reads the header and the
+    buffer length, so a subscription callback can afford it."""
+    try:
+        if msg.encoding in ENCODINGS or bridge() is None:
+            check_image(msg.encoding, msg.height, msg.width, msg.step, len(msg.data))
+        elif msg.height <= 0 or msg.width <= 0 or len(msg.data) < msg.step * msg.height:
+            raise ValueError(
+                f'{msg.encoding} image {msg.width}x{msg.height} with step {msg.step} does not '
+                f'fit its {len(msg.data)} data bytes'
+            )
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def image_to_rgb(msg) -> np.ndarray:
+    """HxWx3 uint8 RGB from a sensor_msgs/Image.
+
+    The five encodings robot cameras publish in practice are converted here; anything else
+    goes through cv_bridge where it is installed (16-bit, Bayer, YUV...).
+    """
+    if msg.encoding in ENCODINGS or bridge() is None:
+        return to_rgb(msg.encoding, msg.height, msg.width, msg.step, msg.data)
+    try:
+        out = bridge().imgmsg_to_cv2(msg, desired_encoding='rgb8')
+    except Exception as e:  # cv_bridge raises its own error types
+        raise ValueError(f'cannot convert {msg.encoding!r} image: {e}') from None
+    return np.ascontiguousarray(out, dtype=np.uint8)
+
+
+class Reporter:
+    """Says each distinct problem at most once per `period` seconds.
+
+    Repeats inside the window are counted and the count is added to the next message, so a
+    problem that happens at 30 Hz reads as one line with "(120 more since)" instead of a
+    flood. Totals per key stay available for diagnostics.
+    """
+
+    def __init__(
+        self,
+        say: Callable[[str], None],
+        period: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        keep: int = 20,
+    ):
+        self.say = say
+        self.period = period
+        self.clock = clock
+        self.keep = keep
+        self.totals: dict[str, int] = {}
+        self.recent: list[str] = []  # the last messages said, newest last
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def report(self, key: str, message: str | None = None) -> bool:
+        """Count a problem under `key` and say it unless it was said recently. Returns
+        whether it was said."""
+        message = message or key
+        now = self.clock()
+        with self._lock:
+            self.totals[key] = self.totals.get(key, 0) + 1
+            last = self._last.get(key)
+            if last is not None and now - last < self.period:
+                self._held[key] = self._held.get(key, 0) + 1
+                return False
+            held = self._held.pop(key, 0)
+            self._last[key] = now
+            if held:
+                message = f'{message} ({held} more since the last report)'
+            self.recent = [*self.recent, message][-self.keep:]
+        self.say(message)
+        return True
+
+    def clear(self, key: str) -> None:
+        """Forget a key's window, so the problem is said at once if it comes back."""
+        with self._lock:
+            self._last.pop(key, None)
+            self._held.pop(key, None)
+
+    def count(self, prefix: str = '') -> int:
+        with self._lock:
+            return sum(n for k, n in self.totals.items() if k.startswith(prefix))

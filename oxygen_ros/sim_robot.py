@@ -1,0 +1,231 @@
+"""A stand-in robot: publishes camera images and joint states, follows the trajectories
+it is sent, and logs how often they arrive and what the narration says.
+
+It reads the same robot parameters as oxygen_node (cameras, camera_topics, joint_topics,
+joint_sources, joints, output_groups, outputs.*), so one YAML describes both sides. Action
+index i moves state joint i, which holds for the built-in profiles (their state and action
+vectors share a layout).
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+
+import numpy as np
+import rclpy
+from rcl_interfaces.msg import ParameterDescriptor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.node import Node
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from sensor_msgs.msg import Image, JointState
+from std_msgs.msg import String
+from trajectory_msgs.msg import JointTrajectory
+
+PARAMS = {
+    'cameras': ([], 'camera names'),
+    'camera_topics': ([], 'image topic per camera (relative); default <camera>/image_raw'),
+    'joint_topics': (['joint_states'], 'JointState topics to publish'),
+    'joint_sources': ([], 'a name per joint topic (see oxygen_node)'),
+    'joints': ([], 'joints in state order, as source/joint'),
+    'output_groups': ([], 'trajectory inputs to follow'),
+    'image_width': (320, 'published image width'),
+    'image_height': (240, 'published image height'),
+    'image_encoding': ('rgb8', 'rgb8, bgr8, rgba8, bgra8 or mono8'),
+    'camera_rate_hz': (30.0, 'image rate per camera'),
+    'joint_rate_hz': (100.0, 'joint state rate per topic'),
+    'follow_time_s': (0.05, 'time constant of the joints following their targets'),
+    'initial_positions': ([], 'joint positions at start, in state order; default zeros'),
+    'narration_topic': ('oxygen_node/narration/text', 'final narration texts to log'),
+    'report_every_s': (5.0, 'how often to log the received trajectory rate'),
+}
+LIST_TYPES = {'cameras', 'camera_topics', 'joint_topics', 'joint_sources', 'joints',
+              'output_groups', 'initial_positions'}
+
+
+class SimRobot(Node):
+    def __init__(self):
+        super().__init__('oxygen_sim_robot')
+        p = {}
+        for name, (default, text) in PARAMS.items():
+            desc = ParameterDescriptor(description=text, dynamic_typing=True)
+            self.declare_parameter(name, default if default != [] else None, desc)
+            value = self.get_parameter(name).value
+            p[name] = list(value or []) if name in LIST_TYPES else value
+        self.p = p
+        sources = p['joint_sources'] or [''] * len(p['joint_topics'])
+        # (source, joint name) per state index.
+        self.joints = []
+        for label in p['joints']:
+            if len(sources) == 1 and not label.startswith(sources[0] + '/'):
+                self.joints.append((sources[0], label))
+            else:
+                src, _, name = label.partition('/')
+                self.joints.append((src, name))
+        self.q = np.zeros(len(self.joints))
+        if p['initial_positions']:
+            if len(p['initial_positions']) != len(self.joints):
+                raise ValueError(f'initial_positions has {len(p["initial_positions"])} values '
+                                 f'for {len(self.joints)} joints')
+            self.q[:] = p['initial_positions']
+        self.target = self.q.copy()
+
+        cams = p['cameras']
+        topics = p['camera_topics'] or [f'{c}/image_raw' for c in cams]
+        self.image_pubs = [self.create_publisher(Image, t, qos_profile_sensor_data)
+                           for t in topics]
+        self.joint_pubs = {s: self.create_publisher(JointState, t, qos_profile_sensor_data)
+                           for s, t in zip(sources, p['joint_topics'], strict=True)}
+        w, h = int(p['image_width']), int(p['image_height'])
+        yy, xx = np.mgrid[0:h, 0:w]
+        # A fixed colour gradient per camera; a square moved by the joints makes frames differ.
+        self.backgrounds = [
+            np.stack([(xx * 255 // max(w - 1, 1)), (yy * 255 // max(h - 1, 1)),
+                      np.full_like(xx, 60 * i % 256)], axis=2).astype(np.uint8)
+            for i in range(len(cams))]
+
+        self.groups = {}
+        self.received = collections.Counter()
+        self.gaps = collections.defaultdict(list)
+        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        for g in p['output_groups']:
+            topic = self._group_param(g, 'topic', '')
+            indices = list(self._group_param(g, 'indices', None) or [])
+            self.groups[g] = dict(indices=indices, times=None, pos=None, start=0.0, last=None)
+            self.create_subscription(JointTrajectory, topic,
+                                     lambda m, g=g: self._on_trajectory(g, m), reliable)
+        self.create_subscription(String, p['narration_topic'], self._on_narration,
+                                 QoSProfile(depth=50, reliability=ReliabilityPolicy.RELIABLE))
+
+        self.create_timer(1.0 / p['joint_rate_hz'], self._step_joints)
+        self.create_timer(1.0 / p['camera_rate_hz'], self._publish_images)
+        self.create_timer(p['report_every_s'], self._report)
+        self._last_step = time.monotonic()
+        self._since = time.monotonic()
+        self.get_logger().info(
+            f'sim robot: {len(cams)} cameras {w}x{h} {p["image_encoding"]} at '
+            f'{p["camera_rate_hz"]:g} Hz, {len(self.joints)} joints at {p["joint_rate_hz"]:g} Hz,'
+            f' following {list(self.groups)}')
+
+    def _group_param(self, group, key, default):
+        name = f'outputs.{group}.{key}'
+        self.declare_parameter(name, default, ParameterDescriptor(dynamic_typing=True))
+        return self.get_parameter(name).value
+
+    def _on_trajectory(self, g, msg):
+        now = time.monotonic()
+        st = self.groups[g]
+        if st['last'] is not None:
+            self.gaps[g].append(now - st['last'])
+        st['last'] = now
+        self.received[g] += 1
+        try:
+            times = [p.time_from_start.sec + p.time_from_start.nanosec * 1e-9
+                     for p in msg.points]
+            pos = np.array([list(p.positions) for p in msg.points], dtype=float)
+            if not len(times) or pos.shape != (len(times), len(st['indices'])):
+                return  # a malformed command is ignored, like a controller rejecting it
+        except ValueError:
+            return
+        # Interpolate from where the joints are now to the first point, as a controller does.
+        st['times'] = np.concatenate([[0.0], times])
+        st['pos'] = np.concatenate([self.q[st['indices']][None], pos])
+        st['start'] = now
+
+    def _on_narration(self, msg):
+        self.get_logger().info(f'narration: {msg.data!r}')
+
+    def _targets(self, st, now):
+        t = now - st['start']
+        times, pos = st['times'], st['pos']
+        return np.array([np.interp(t, times, pos[:, j]) for j in range(pos.shape[1])])
+
+    def _step_joints(self):
+        now = time.monotonic()
+        dt = now - self._last_step
+        self._last_step = now
+        for st in self.groups.values():
+            if st['times'] is not None:
+                self.target[st['indices']] = self._targets(st, now)
+        self.q += (self.target - self.q) * min(1.0, dt / max(self.p['follow_time_s'], 1e-3))
+        stamp = self.get_clock().now().to_msg()
+        for src, pub in self.joint_pubs.items():
+            msg = JointState()
+            msg.header.stamp = stamp
+            idx = [i for i, (s, _) in enumerate(self.joints) if s == src]
+            msg.name = [self.joints[i][1] for i in idx]
+            msg.position = [float(self.q[i]) for i in idx]
+            pub.publish(msg)
+
+    def _publish_images(self):
+        stamp = self.get_clock().now().to_msg()
+        enc = self.p['image_encoding']
+        for i, (pub, bg) in enumerate(zip(self.image_pubs, self.backgrounds, strict=True)):
+            img = bg.copy()
+            h, w = img.shape[:2]
+            # Where the square sits follows the first joints, so motion shows in the images.
+            a = self.q[i % len(self.q)] if len(self.q) else 0.0
+            cx = int((0.5 + 0.4 * np.tanh(a)) * (w - 1))
+            cy = h // 2
+            img[max(0, cy - h // 8):cy + h // 8, max(0, cx - w // 8):cx + w // 8] = (255, 40, 40)
+            msg = Image()
+            msg.header.stamp = stamp
+            msg.header.frame_id = f'camera_{i}'
+            msg.height, msg.width, msg.encoding = h, w, enc
+            data = _encode(img, enc)
+            msg.step = data.shape[1] * (data.shape[2] if data.ndim == 3 else 1)
+            msg.data = data.tobytes()
+            pub.publish(msg)
+
+    def _report(self):
+        now = time.monotonic()
+        span = now - self._since
+        self._since = now
+        parts = []
+        for g in self.groups:
+            gaps = np.array(self.gaps[g]) if self.gaps[g] else np.zeros(1)
+            parts.append(f'{g} {self.received[g] / span:.1f} Hz (p99 gap '
+                         f'{np.percentile(gaps, 99) * 1e3:.0f} ms)')
+            self.received[g] = 0
+            self.gaps[g] = []
+        self.get_logger().info('trajectories received: ' + ', '.join(parts))
+
+
+def _encode(rgb: np.ndarray, encoding: str) -> np.ndarray:
+    if encoding == 'rgb8':
+        return rgb
+    if encoding == 'bgr8':
+        return np.ascontiguousarray(rgb[:, :, ::-1])
+    if encoding in ('rgba8', 'bgra8'):
+        c = rgb if encoding == 'rgba8' else rgb[:, :, ::-1]
+        return np.concatenate([c, np.full(rgb.shape[:2] + (1,), 255, np.uint8)], axis=2)
+    if encoding == 'mono8':
+        return rgb.mean(axis=2).astype(np.uint8)
+    raise ValueError(f'image_encoding {encoding!r} is not one of rgb8, bgr8, rgba8, bgra8, mono8')
+
+
+def main(args=None):
+    rclpy.init(args=args)
+    node = None
+    try:
+        node = SimRobot()
+        executor = SingleThreadedExecutor()
+        executor.add_node(node)
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    except Exception:
+        if rclpy.ok():  # else: a signal shut the context down under the executor
+            raise
+    except ValueError as e:
+        print(f'[oxygen_sim_robot] error: {e}', file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        if node is not None:
+            node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == '__main__':
+    main()

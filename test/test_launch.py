@@ -1,0 +1,174 @@
+"""pi05.launch.py: run through launch where launch_ros is installed; everywhere, the same
+installed executables with the same parameter files and a namespace remap must talk to
+each other."""
+import ast
+import importlib.util
+import os
+import pathlib
+import random
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import yaml
+
+rclpy = pytest.importorskip('rclpy')
+ament = pytest.importorskip('ament_index_python.packages')
+
+HAVE_LAUNCH = all(importlib.util.find_spec(m) is not None
+                  for m in ('launch_ros', 'launch.launch_description'))
+NO_LAUNCH = 'launch and launch_ros are not installed (PyPI has no ROS 2 launch wheels)'
+
+
+def installed():
+    try:
+        prefix = pathlib.Path(ament.get_package_prefix('oxygen_ros'))
+        share = pathlib.Path(ament.get_package_share_directory('oxygen_ros'))
+    except ament.PackageNotFoundError:
+        pytest.skip('oxygen_ros is not installed in a colcon workspace (make test)')
+    return prefix, share
+
+
+def env_for(domain):
+    env = dict(os.environ, ROS_DOMAIN_ID=domain, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
+    env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
+    return env
+
+
+def tiny_params(tmp_path):
+    # The sim setup on the tiny model, so the test starts fast.
+    path = tmp_path / 'tiny.yaml'
+    path.write_text(yaml.safe_dump({'/**': {'ros__parameters': {
+        'model': 'tiny', 'device': 'cpu', 'threads': 1, 'image_width': 64,
+        'image_height': 48}}}))
+    return path
+
+
+def test_launch_file_starts_installed_executables():
+    prefix, share = installed()
+    src = (share / 'launch' / 'pi05.launch.py').read_text()
+    tree = ast.parse(src)
+    names = {k.value.value for k in ast.walk(tree) if isinstance(k, ast.keyword)
+             and k.arg == 'executable' and isinstance(k.value, ast.Constant)}
+    assert names == {'oxygen_node', 'oxygen_sim_robot'}
+    for name in names:
+        exe = prefix / 'lib' / 'oxygen_ros' / name
+        assert exe.is_file() and os.access(exe, os.X_OK), exe
+    for robot in ('aloha', 'droid', 'sim', 'pi05'):
+        assert (share / 'config' / f'{robot}.yaml').is_file()
+
+
+@pytest.mark.skipif(not HAVE_LAUNCH, reason=NO_LAUNCH)
+def test_launch_description_declares_the_arguments():
+    _, share = installed()
+    spec = importlib.util.spec_from_file_location('pi05_launch', share / 'launch' /
+                                                  'pi05.launch.py')
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ld = mod.generate_launch_description()
+    declared = {a.name for a in ld.get_launch_arguments()}
+    assert declared == {'robot', 'params_file', 'checkpoint', 'device', 'namespace',
+                        'use_sim_time', 'log_level', 'sim'}
+
+
+def listen(domain, topic_traj, topic_text, seconds):
+    """(trajectory count, narration texts) heard in `seconds` once trajectories start."""
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from std_msgs.msg import String
+    from trajectory_msgs.msg import JointTrajectory
+
+    os.environ['ROS_DOMAIN_ID'] = domain
+    ctx = rclpy.Context()
+    rclpy.init(context=ctx)
+    node = rclpy.create_node('launch_listener', context=ctx)
+    got, texts = [], []
+    reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+    node.create_subscription(JointTrajectory, topic_traj, got.append, reliable)
+    node.create_subscription(String, topic_text, lambda m: texts.append(m.data), reliable)
+    ex = SingleThreadedExecutor(context=ctx)
+    ex.add_node(node)
+    t = threading.Thread(target=ex.spin, daemon=True)
+    t.start()
+    try:
+        end = time.monotonic() + 60
+        while not got and time.monotonic() < end:
+            time.sleep(0.1)
+        start = len(got)
+        time.sleep(seconds)
+        return len(got) - start, list(texts)
+    finally:
+        ex.shutdown(timeout_sec=1)
+        node.destroy_node()
+        rclpy.try_shutdown(context=ctx)
+
+
+def stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(15))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append('killed')
+    return codes
+
+
+def test_same_executables_params_and_remaps_talk(tmp_path):
+    """What `ros2 launch oxygen_ros pi05.launch.py robot:=sim sim:=true namespace:=ns`
+    starts, started by hand: the installed executables, pi05.yaml then sim.yaml, the
+    namespace remap."""
+    prefix, share = installed()
+    domain = str(random.randint(120, 220))
+    cfg = share / 'config'
+    ros = ['--ros-args', '--params-file', str(cfg / 'pi05.yaml'), '--params-file',
+           str(cfg / 'sim.yaml'), '--params-file', str(tiny_params(tmp_path)),
+           '-r', '__ns:=/lt']
+    lib = prefix / 'lib' / 'oxygen_ros'
+    logs = [open(tmp_path / f'{n}.log', 'w') for n in ('node', 'sim')]
+    procs = [subprocess.Popen([str(lib / 'oxygen_node'), *ros],
+                              stdout=logs[0], stderr=subprocess.STDOUT, env=env_for(domain)),
+             subprocess.Popen([str(lib / 'oxygen_sim_robot'), *ros],
+                              stdout=logs[1], stderr=subprocess.STDOUT, env=env_for(domain))]
+    try:
+        n, texts = listen(domain, '/lt/fr3_arm_controller/joint_trajectory',
+                          '/lt/oxygen_node/narration/text', 2.0)
+    finally:
+        codes = stop(procs)
+        for f in logs:
+            f.close()
+    node_log = (tmp_path / 'node.log').read_text()
+    assert n >= 70, f'{n} trajectories in 2 s:\n{node_log[-3000:]}'
+    assert texts, 'no narration'
+    assert codes == [0, 0], (codes, node_log[-3000:])
+    assert 'Traceback' not in node_log
+
+
+@pytest.mark.skipif(not HAVE_LAUNCH or shutil.which('ros2') is None,
+                    reason=NO_LAUNCH + ' (or the ros2 command is missing)')
+def test_ros2_launch_sim(tmp_path):
+    installed()
+    domain = str(random.randint(120, 220))
+    sim = yaml.safe_load((pathlib.Path(ament.get_package_share_directory('oxygen_ros')) /
+                          'config' / 'sim.yaml').read_text())
+    sim['/**']['ros__parameters'].update(model='tiny', image_width=64, image_height=48)
+    params = tmp_path / 'sim_tiny.yaml'
+    params.write_text(yaml.safe_dump(sim))
+    log = open(tmp_path / 'launch.log', 'w')
+    proc = subprocess.Popen(
+        ['ros2', 'launch', 'oxygen_ros', 'pi05.launch.py', 'robot:=sim', 'sim:=true',
+         f'params_file:={params}', 'device:=cpu', 'namespace:=lt'],
+        stdout=log, stderr=subprocess.STDOUT, env=env_for(domain))
+    try:
+        n, _ = listen(domain, '/lt/fr3_arm_controller/joint_trajectory',
+                      '/lt/oxygen_node/narration/text', 2.0)
+    finally:
+        stop([proc])
+        log.close()
+    assert n >= 70, (tmp_path / 'launch.log').read_text()[-3000:]

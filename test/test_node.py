@@ -1,0 +1,444 @@
+"""oxygen_node as a robot sees it: the installed node runs as its own process on the tiny
+model; this process plays the robot (cameras, joint states) and listens to what comes back.
+
+One node process serves the whole module, so the bad-input tests also show that a problem
+does not leave anything behind for the next one.
+"""
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+rclpy = pytest.importorskip('rclpy')
+msg_mod = pytest.importorskip('oxygen_ros.msg', reason='oxygen_ros.msg exists only in a colcon '
+                              'build (make test)')
+
+from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import Image, JointState  # noqa: E402
+from std_msgs.msg import Empty, String  # noqa: E402
+from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+ARM = [f'fr3_joint{i}' for i in range(1, 8)]
+JOINTS = ARM + ['gripper']
+RATE = 70.0
+
+PARAMS = {
+    'model': 'tiny', 'threads': 1, 'seed': 0,
+    'robot': 'droid', 'profile_options': '{velocity: true}',
+    'cameras': ['front', 'wrist'],
+    'camera_topics': ['front/image', 'wrist/image'],
+    'camera_slots': ['base_0_rgb', 'left_wrist_0_rgb'],
+    'joint_topics': ['joint_states'],
+    'joints': JOINTS,
+    # The tiny model's 4-action chunk spans 0.4 s: enough slack for a shared 2-core machine.
+    'action_rate_hz': 10.0,
+    'control_rate_hz': RATE,
+    'output_groups': ['arm', 'gripper'],
+    'outputs': {
+        'arm': {'topic': 'arm_controller/joint_trajectory', 'joints': ARM,
+                'indices': list(range(7))},
+        'gripper': {'topic': 'gripper_controller/joint_trajectory', 'joints': ['gripper'],
+                    'indices': [7]},
+    },
+    'narration_every_n_frames': 5,
+    'max_requests': 2, 'max_new_tokens': 8, 'decode_k': 2, 'admission': 'reject_newest',
+    'max_input_age': 0.5, 'max_skew': 0.1,
+    # Short, so a problem repeated by a later test is said again.
+    'report_period': 1.0,
+    'prompt': 'pick up the cup',
+}
+
+
+def write_params(path, params):
+    path.write_text(yaml.safe_dump({'/**': {'ros__parameters': params}}))
+    return str(path)
+
+
+def node_env(domain):
+    env = dict(os.environ, ROS_DOMAIN_ID=domain, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1',
+               RCUTILS_LOGGING_BUFFERED_STREAM='0')
+    env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
+    return env
+
+
+def wait_for(pred, timeout, step=0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def image(w=64, h=48, stamp=None, encoding='rgb8'):
+    m = Image()
+    if stamp is not None:
+        m.header.stamp = stamp
+    m.height, m.width, m.encoding = h, w, encoding
+    m.step = w * 3
+    m.data = np.random.randint(0, 255, h * w * 3, dtype=np.uint8).tobytes()
+    return m
+
+
+class Robot:
+    """Cameras at 30 Hz, joints at 50 Hz, knobs to break them, and everything received."""
+
+    def __init__(self, node):
+        self.node = node
+        best = qos_profile_sensor_data
+        self.cams = {'front': node.create_publisher(Image, '/remapped/front', best),
+                     'wrist': node.create_publisher(Image, '/wrist/image', best)}
+        self.joint_pub = node.create_publisher(JointState, '/joint_states', best)
+        self.prompt = node.create_publisher(String, '/oxygen_node/prompt', 10)
+        self.narrate = node.create_publisher(Empty, '/oxygen_node/narrate', 10)
+        self.paused: set[str] = set()
+        self.bad_image: dict[str, object] = {}  # camera -> fn(msg) -> broken msg, every 2nd
+        self.lag: dict[str, float] = {}  # camera -> seconds its stamps lag behind
+        self.bad_joints = None  # fn(msg) -> broken msg, every 2nd
+        self.leave_out: set[str] = {'gripper'}  # joints not published (start-up test)
+        self.n = 0
+        self.traj: list[tuple[float, JointTrajectory]] = []
+        self.narration = []
+        self.texts = []
+        self.diag: dict[str, str] = {}
+        reliable = QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE)
+        node.create_subscription(JointTrajectory, '/arm_controller/joint_trajectory',
+                                 lambda m: self.traj.append((time.monotonic(), m)), reliable)
+        node.create_subscription(msg_mod.Narration, '/oxygen_node/narration',
+                                 self.narration.append, reliable)
+        node.create_subscription(String, '/oxygen_node/narration/text',
+                                 lambda m: self.texts.append(m.data), reliable)
+        node.create_subscription(DiagnosticArray, '/diagnostics', self._on_diag, 10)
+        node.create_timer(1 / 30, self._images)
+        node.create_timer(1 / 50, self._joints)
+
+    def _on_diag(self, msg):
+        for st in msg.status:
+            if st.name.startswith('oxygen_node'):
+                self.diag = {kv.key: kv.value for kv in st.values}
+
+    def _stamp(self, lag=0.0):
+        return (self.node.get_clock().now() - rclpy.duration.Duration(seconds=lag)).to_msg()
+
+    def _images(self):
+        self.n += 1
+        for cam, pub in self.cams.items():
+            if cam in self.paused:
+                continue
+            m = image(stamp=self._stamp(self.lag.get(cam, 0.0)))
+            if cam in self.bad_image and self.n % 2:
+                m = self.bad_image[cam](m)
+            pub.publish(m)
+
+    def _joints(self):
+        m = JointState()
+        m.header.stamp = self._stamp()
+        names = [j for j in JOINTS if j not in self.leave_out]
+        m.name = names
+        m.position = [0.1 * i for i in range(len(names))]
+        if self.bad_joints is not None and self.n % 2:
+            m = self.bad_joints(m)
+        self.joint_pub.publish(m)
+
+    def rate(self, seconds):
+        """Trajectories per second over the next `seconds`."""
+        start = len(self.traj)
+        time.sleep(seconds)
+        return (len(self.traj) - start) / seconds
+
+
+@pytest.fixture(scope='module')
+def domain():
+    # A domain of its own: other test runs on this machine use the same topic names.
+    return str(random.randint(120, 220))
+
+
+@pytest.fixture(scope='module')
+def robot(domain, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('node')
+    params = write_params(tmp / 'params.yaml', PARAMS)
+    log_path = tmp / 'node.log'
+    log = open(log_path, 'w')
+    proc = subprocess.Popen(
+        [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file', params,
+         '-r', 'front/image:=/remapped/front'],
+        stdout=log, stderr=subprocess.STDOUT, env=node_env(domain))
+    os.environ['ROS_DOMAIN_ID'] = domain
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node('fake_robot', context=context)
+    r = Robot(node)
+    r.proc, r.log_path = proc, log_path
+    r.log = lambda: log_path.read_text()
+    ex = SingleThreadedExecutor(context=context)
+    ex.add_node(node)
+    spin = threading.Thread(target=ex.spin, daemon=True)
+    spin.start()
+    try:
+        started = wait_for(lambda: 'missing joint readings' in r.log() or proc.poll() is not None,
+                           60)
+        assert started and proc.poll() is None, r.log()
+        r.leave_out = set()
+        assert wait_for(lambda: len(r.traj) > 20, 30), 'no trajectories:\n' + r.log()
+        yield r
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        ex.shutdown(timeout_sec=1)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+        log.close()
+
+
+def log_after(robot, mark):
+    return robot.log()[mark:]
+
+
+def expect_log(robot, mark, pattern, timeout=5.0):
+    assert wait_for(lambda: re.search(pattern, log_after(robot, mark)), timeout), (
+        f'no log line matching {pattern!r}:\n{log_after(robot, mark)[-3000:]}')
+
+
+def assert_alive_and_commanding(robot, min_hz=0.5 * RATE):
+    assert robot.proc.poll() is None, robot.log()[-3000:]
+    hz = robot.rate(1.0)
+    assert hz >= min_hz, f'{hz:.1f} Hz after the bad input:\n{robot.log()[-3000:]}'
+
+
+def test_missing_joint_at_start_is_reported(robot):
+    assert re.search(r'missing joint readings: gripper', robot.log())
+
+
+def test_trajectories_at_control_rate(robot):
+    hz = robot.rate(3.0)
+    assert abs(hz - RATE) <= 0.15 * RATE, f'{hz:.1f} Hz:\n{robot.log()[-2000:]}'
+    for _, m in robot.traj[-50:]:
+        assert m.joint_names == ARM
+        assert m.header.stamp.sec == 0 and m.header.stamp.nanosec == 0
+        times = [p.time_from_start.sec + p.time_from_start.nanosec * 1e-9 for p in m.points]
+        assert 1 <= len(times) <= 4
+        assert times[0] > 0 and all(b > a for a, b in zip(times, times[1:], strict=False))
+        assert all(abs(b - a - 0.1) < 1e-6 for a, b in zip(times, times[1:], strict=False))
+        assert list(m.points[-1].velocities) == [0.0] * 7
+        assert all(math.isfinite(x) for p in m.points for x in p.positions)
+
+
+def test_remapped_camera_is_consumed(robot):
+    # Both cameras are required, so commands flowing means the remapped topic is read.
+    assert robot.node.count_subscribers('/remapped/front') >= 1
+    assert robot.node.count_subscribers('/front/image') == 0
+    mark = len(robot.log())
+    robot.paused.add('front')
+    try:
+        expect_log(robot, mark, r'no frame: front stale')
+        time.sleep(0.6)  # what is left of the last chunk runs out
+        assert robot.rate(0.5) == 0, 'commands without the remapped camera'
+    finally:
+        robot.paused.discard('front')
+    assert_alive_and_commanding(robot)
+
+
+def test_narration_deltas_make_the_final_text(robot):
+    robot.narrate.publish(Empty())
+    assert wait_for(lambda: len(robot.texts) >= 3, 20), robot.log()[-2000:]
+    by_id = {}
+    for m in list(robot.narration):
+        by_id.setdefault(m.request_id, []).append(m)
+    finished = {i: ms for i, ms in by_id.items() if ms[-1].done and ms[0].tokens == 1}
+    assert finished, 'no request seen from start to end'
+    texts = set(robot.texts)
+    for ms in finished.values():
+        cancelled = ms[-1].text != ''.join(m.delta for m in ms) and not ms[-1].delta
+        if cancelled:
+            continue
+        assert ''.join(m.delta for m in ms) == ms[-1].text
+        assert [m.tokens for m in ms] == sorted(m.tokens for m in ms)
+        assert len({(m.header.stamp.sec, m.header.stamp.nanosec) for m in ms}) == 1
+        assert ms[0].header.stamp.sec > 0
+        assert ms[-1].text in texts
+
+
+def test_unsupported_encoding(robot):
+    mark = len(robot.log())
+
+    def bad(m):
+        m.encoding = '16UC1'
+        return m
+
+    robot.bad_image['wrist'] = bad
+    try:
+        expect_log(robot, mark, r"camera wrist: unsupported image encoding '16UC1'")
+        assert_alive_and_commanding(robot)  # the good images in between keep it going
+    finally:
+        robot.bad_image.clear()
+    assert_alive_and_commanding(robot)
+
+
+def test_wrong_image_size(robot):
+    mark = len(robot.log())
+
+    def bad(m):
+        m.height += 10  # the buffer no longer covers the rows the header promises
+        return m
+
+    robot.bad_image['front'] = bad
+    try:
+        expect_log(robot, mark, r'camera front: image data has \d+ bytes')
+        assert_alive_and_commanding(robot)
+    finally:
+        robot.bad_image.clear()
+    assert_alive_and_commanding(robot)
+
+
+def test_missing_camera_holds_then_recovers(robot):
+    mark = len(robot.log())
+    robot.paused.add('wrist')
+    try:
+        expect_log(robot, mark, r'no frame: wrist stale')
+        expect_log(robot, mark, r'holding', timeout=3)
+    finally:
+        robot.paused.discard('wrist')
+    assert_alive_and_commanding(robot)
+
+
+def test_skewed_inputs(robot):
+    mark = len(robot.log())
+    robot.lag['wrist'] = 0.3  # fresh enough (< 0.5 s) but 300 ms apart from the rest
+    try:
+        expect_log(robot, mark, r'inputs skewed: wrist is \d+ ms older')
+    finally:
+        robot.lag.clear()
+    assert_alive_and_commanding(robot)
+
+
+def test_nan_joint(robot):
+    mark = len(robot.log())
+
+    def bad(m):
+        m.position = [float('nan')] + list(m.position[1:])
+        return m
+
+    robot.bad_joints = bad
+    try:
+        expect_log(robot, mark, r'joints fr3_joint1 read NaN/inf')
+        assert_alive_and_commanding(robot)
+    finally:
+        robot.bad_joints = None
+    assert_alive_and_commanding(robot)
+
+
+def test_unknown_joint_names(robot):
+    mark = len(robot.log())
+
+    def bad(m):
+        m.name = [f'other_{n}' for n in m.name]
+        return m
+
+    robot.bad_joints = bad
+    try:
+        expect_log(robot, mark, r'none of the joints .*other_fr3_joint1.* are used')
+        assert_alive_and_commanding(robot)
+    finally:
+        robot.bad_joints = None
+    assert_alive_and_commanding(robot)
+
+
+def test_bad_prompts_are_rejected_good_one_taken(robot):
+    mark = len(robot.log())
+    robot.prompt.publish(String(data='   '))
+    expect_log(robot, mark, r"~/prompt: empty prompt; keeping 'pick up the cup'")
+    robot.prompt.publish(String(data='x' * 5000))
+    expect_log(robot, mark, r'prompt of 5000 characters is over the limit of 500')
+    robot.prompt.publish(String(data='put the cup down'))
+    expect_log(robot, mark, r"task prompt: 'put the cup down'")
+    assert_alive_and_commanding(robot)
+
+
+def test_more_narration_requests_than_slots(robot):
+    mark = len(robot.log())
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        robot.narrate.publish(Empty())
+        time.sleep(0.01)
+    expect_log(robot, mark, r'narration request .* rejected: all 2 KV slots are busy')
+    assert_alive_and_commanding(robot)
+
+
+def test_diagnostics_count_the_problems(robot):
+    assert wait_for(lambda: robot.diag, 3)
+    time.sleep(1.1)  # one report after the tests above
+    d = robot.diag
+    assert float(d['control_publish_hz']) > 0.5 * RATE
+    for key in ('dropped_images', 'dropped_joint_states', 'rejected_prompts',
+                'skipped_frames'):
+        assert int(d[key]) > 0, (key, d)
+    for key in ('frame_ms_p50', 'frame_ms_p99', 'tokens_per_s', 'active_requests',
+                'kv_bytes', 'deadline_misses', 'tick_jitter_ms_p99', 'missed_ticks',
+                'rejected_requests', 'dropped_requests'):
+        assert key in d, key
+    assert int(d['frames']) > 0
+
+
+def test_sigterm_stops_cleanly(robot):
+    robot.proc.send_signal(signal.SIGTERM)
+    assert robot.proc.wait(15) == 0
+    n = len(robot.traj)
+    time.sleep(0.3)
+    assert len(robot.traj) == n, 'commands after shutdown'
+    assert 'Traceback' not in robot.log(), robot.log()[-3000:]
+
+
+def run_node(tmp_path, domain, extra, timeout=60):
+    params = write_params(tmp_path / 'params.yaml', PARAMS)
+    return subprocess.run(
+        [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file', params, *extra],
+        capture_output=True, text=True, timeout=timeout, env=node_env(domain))
+
+
+def test_missing_checkpoint_exits_with_a_clear_error(tmp_path, domain):
+    out = run_node(tmp_path, domain, ['-p', f'checkpoint:={tmp_path / "nowhere"}'])
+    assert out.returncode == 1, out.stderr
+    assert 'checkpoint not found' in out.stderr and 'nowhere' in out.stderr
+    assert 'Traceback' not in out.stderr + out.stdout
+
+
+def test_corrupt_checkpoint_exits_with_a_clear_error(tmp_path, domain):
+    ck = tmp_path / 'ck'
+    ck.mkdir()
+    (ck / 'model.safetensors').write_bytes(b'\xff' * 64 + b'not a checkpoint')
+    out = run_node(tmp_path, domain, ['-p', f'checkpoint:={ck}'])
+    assert out.returncode == 1, out.stderr
+    assert 'cannot start the engine' in out.stderr
+    assert 'Traceback' not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize('extra, message', [
+    (['-p', 'control_rate_hz:=-5.0'], 'control_rate_hz must be > 0'),
+    (['-p', 'camera_slots:=[base_0_rgb]'], 'must have equal lengths'),
+    (['-p', 'camera_slots:=[base_0_rgb, top_rgb]'], "camera_slots ['top_rgb'] are not model"),
+    (['-p', 'robot:=identity', '-p', 'profile_options:="{dim: 14}"'],
+     '8 joints listed but the identity profile takes a 14-d state'),
+    (['-p', 'image_qos:=fast'], 'image_qos must be one of'),
+    (['-p', 'max_prompt_chars:=lots'], 'parameter max_prompt_chars must be int'),
+    (['-p', 'checkpoint:=/nowhere', '--params-file', '/nowhere.yaml'], 'nowhere.yaml'),
+])
+def test_bad_parameters_exit_with_a_clear_error(tmp_path, domain, extra, message):
+    out = run_node(tmp_path, domain, extra)
+    assert out.returncode == 1, out.stderr
+    assert message in out.stderr, out.stderr
+    assert 'Traceback' not in out.stderr + out.stdout
