@@ -227,3 +227,20 @@ def test_adaptive_k_first_frame_takes_one_step():
     assert not ak.fits(10.0, 1, 3)
     ak.observe(3, 20.0)
     assert ak.estimate(3) == 20.0 and ak.estimate(2) == 20.0 and ak.estimate(6) == 40.0
+
+
+def test_adaptive_k_paces_requests_to_the_rows(model, tokenizer):
+    # 4 rows: each request must finish within 3 frames, so 9 tokens need k = 3 every frame.
+    eng = make_engine(model, tokenizer, decode_k=0, max_requests=4, max_new_tokens=9,
+                      frame_budget_ms=1e6)
+    ks = [eng.step(obs, narrate=True).timing['k'] for obs in observations(eng.model_cfg, 8)]
+    assert ks == [3] * 8
+    assert eng.stats()['dropped_requests'] == 0
+
+
+def test_adaptive_k_yields_to_the_deadline(model, tokenizer):
+    # A budget already spent by prefill and denoising leaves language one learning step.
+    eng = make_engine(model, tokenizer, decode_k=0, max_requests=4, max_new_tokens=9,
+                      frame_budget_ms=1e-3)
+    ks = [eng.step(obs, narrate=True).timing['k'] for obs in observations(eng.model_cfg, 4)]
+    assert ks == [1, 0, 0, 0]

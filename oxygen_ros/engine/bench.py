@@ -27,6 +27,7 @@ from tqdm import tqdm
 from ..model import Pi05, load_config
 from ..model.tokenizer import Tokenizer
 from .engine import Engine, EngineConfig, Observation
+from .requests import Request, sample
 
 MODES = ('isolated', 'shared_kv', 'parallel', 'oxygen')
 PROMPT = 'pick up the red cube and place it in the bowl'
@@ -65,6 +66,7 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
     obs = next(observations(engine.model_cfg, 1, 3))
     f = engine.frame(obs)
     rows = min(max_batch, engine.cache.max_requests)
+    limit = engine.tokenizer.vocab_size
     with torch.inference_mode():
         for r in range(rows):
             model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv, slice(r, r + 1))
@@ -78,8 +80,11 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
             tok = torch.full((b,), 5, device=dev)
             start = kv.length[:b].clone(), kv.next_pos[:b].clone(), kv.valid[:b].clone()
 
-            def one(b=b, idx=idx, tok=tok, start=start):
-                model.logits(model.decode_hidden(kv, idx, tok))
+            reqs = [Request(stamp=0.0) for _ in range(b)]
+
+            def one(b=b, idx=idx, tok=tok, start=start, reqs=reqs):
+                # A whole decode step: the pass, the output layer and choosing the tokens.
+                sample(model.logits(model.decode_hidden(kv, idx, tok)), reqs, limit)
                 # Rewind so every repeat decodes at the same length.
                 kv.length[:b], kv.next_pos[:b], kv.valid[:b] = (t.clone() for t in start)
 

@@ -30,6 +30,7 @@ class Request:
     row: int | None = None
     tokens: list[int] = field(default_factory=list)
     step: int = 0
+    frames: int = 0  # frames it has been decoded in so far
     finished: bool = False
     cancelled: bool = False
     _generator: torch.Generator | None = field(default=None, repr=False)

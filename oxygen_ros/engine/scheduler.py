@@ -8,7 +8,10 @@ model kernels, so they differ only in scheduling:
 - ``shared_kv``: one prefill feeds the actions and the request, decoded to the end in-frame.
 - ``oxygen``: one prefill feeds the actions and the request; then ``k`` decode steps for
   every active request in one batch, requests living across frames (continuous batching).
-  With ``decode_k = 0`` k adapts each frame to the time left in the frame budget.
+  With ``decode_k = 0`` k adapts each frame: as many steps as keep every active request on
+  course to finish before the KV rows run out, never more than fit in what is left of the
+  frame budget. The deadline comes first; language gets the slack it needs, and no more,
+  so frames stay short and the action rate high.
 
 (The naive two-copies-in-two-threads baseline lives in ``parallel.py``.)
 """
@@ -203,6 +206,16 @@ class Scheduler:
                 self._finish(r, out)
         return len(batch)
 
+    def wanted_k(self) -> int:
+        """Decode steps this frame so that each active request, at an even pace, finishes
+        within as many frames as there are rows for the requests started after it."""
+        frames = max(1, self.cache.max_requests - 1)
+        k = 0
+        for r in self.active:
+            left = r.max_new_tokens - len(r.tokens)
+            k = max(k, -(-left // max(1, frames - r.frames)))
+        return k
+
     def decode_to_end(self, out: FrameOutput) -> list[int]:
         """Decode until no request is active (the in-frame language of the baselines)."""
         batches = []
@@ -255,21 +268,19 @@ class Scheduler:
         steps = 0
         batches = []
         if self.mode == 'oxygen':
-            while True:
+            k = self.decode_k if self.adaptive is None else self.wanted_k()
+            while self.active and steps < k:
                 now = clock()
                 batch = len(self.active)
-                if not batch:
-                    break
-                if self.adaptive is not None:
-                    if not self.adaptive.fits(now - t0, steps, batch):
-                        break
-                elif steps >= self.decode_k:
+                if self.adaptive is not None and not self.adaptive.fits(now - t0, steps, batch):
                     break
                 b = self._decode_step(out)
                 if self.adaptive is not None:
                     self.adaptive.observe(b, clock() - now)
                 batches.append(b)
                 steps += 1
+            for r in self.active:
+                r.frames += 1
         else:
             batches = self.decode_to_end(out)
             steps = len(batches)
