@@ -498,9 +498,8 @@ class OxygenNode:
                 continue
             self._stats['frames'] += 1
             self._stats['narration_requests'] += int(narrate)
-            rejected = getattr(result, 'rejected', None)
-            if rejected:
-                self.reporter.report('narration:rejected', rejected)
+            if result.rejected:
+                self.reporter.report('narration:rejected', result.rejected)
             try:
                 self._publish_events(result.events)
             except Exception as e:  # publishing fails once ROS is shutting down
@@ -554,7 +553,7 @@ class OxygenNode:
             m.delta, m.text, m.tokens, m.done = e.delta, e.text, int(e.tokens), bool(e.done)
             self.narration_pub.publish(m)
             if e.done:
-                if getattr(e, 'cancelled', False):
+                if e.cancelled:
                     self.reporter.report('narration:dropped', f'narration request '
                                          f'{e.request_id} dropped to free a KV slot')
                 else:
