@@ -1,9 +1,11 @@
 """Checkpoints: openpi / LeRobot key names in safetensors, round trips, clear refusals."""
 
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from oxygen_ros.model import KV, Pi05, load_checkpoint, load_config, save_checkpoint
@@ -12,6 +14,7 @@ from oxygen_ros.model.checkpoint import (
     EXP,
     LM,
     LM_HEAD,
+    PG,
     VIT,
     CheckpointError,
     config_from_json,
@@ -194,3 +197,147 @@ def test_openpi_config_names_published_dims():
     assert infer_config(load_config("pi05"), shapes) == load_config("pi05")
     with pytest.raises(CheckpointError, match="paligemma_variant"):
         config_from_json({**meta, "paligemma_variant": "gemma_7b"}, shapes)
+
+
+# ------------------------------------------------------------- by hand, by openpi names
+# The cached phases are checked against Pi05's own whole-sequence reference in
+# test_model.py; that reference shares the building blocks (norms, MLPs, embeddings, time
+# conditioning, SigLIP). Here a pi0.5 step is computed from the checkpoint's tensors by
+# their openpi names with plain tensor algebra, so a wrong convention anywhere shows.
+
+
+def _rms(x):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _lin(t, name, x):
+    out = x @ t[name + ".weight"].T
+    return out + t[name + ".bias"] if name + ".bias" in t else out
+
+
+def _rope(x, pos, base):
+    """HF Gemma: x * cos + rotate_half(x) * sin, frequencies over the two halves."""
+    half = x.shape[-1] // 2
+    inv = 1.0 / base ** (torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    ang = pos[:, None].double() * inv
+    cos, sin = ang.cos()[:, None].float(), ang.sin()[:, None].float()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+
+def _sinusoid(time, dim):
+    """openpi's create_sinusoidal_pos_embedding(time, dim, min_period=4e-3, max_period=4)."""
+    half = dim // 2
+    out = []
+    for i in range(half):
+        period = 4e-3 * (4.0 / 4e-3) ** (i / (half - 1))
+        out.append(2 * math.pi * time / period)
+    x = torch.tensor(out, dtype=torch.float64)
+    return torch.cat((x.sin(), x.cos())).float()
+
+
+def _velocity_by_hand(t, cfg, tokens, x_t, time):
+    """(velocity [H, action_dim], logits at the last prompt token) for one text-only
+    observation: prompt tokens attend each other, action tokens attend everything."""
+    ev, ee = cfg.vlm, cfg.expert
+    heads, d = ev.heads, ev.head_dim
+    xv = t[LM_HEAD][tokens] * math.sqrt(ev.width)
+    cond = F.silu(_lin(t, "time_mlp_in", _sinusoid(time, ee.width)))
+    cond = F.silu(_lin(t, "time_mlp_out", cond))
+    xa = _lin(t, "action_in_proj", x_t)
+    n, h = len(tokens), len(x_t)
+    pos = torch.arange(n + h)
+    allowed = torch.ones(n + h, n + h, dtype=torch.bool)
+    allowed[:n, n:] = False
+
+    def mlp(name, x):
+        return (_gelu_tanh(_lin(t, name + "mlp.gate_proj", x)) * _lin(t, name + "mlp.up_proj", x)
+                ) @ t[name + "mlp.down_proj.weight"].T
+
+    def ada(name, x):
+        scale, shift, gate = _lin(t, name + ".dense", cond).chunk(3)
+        return _rms(x) * (1 + scale) + shift, gate
+
+    for i in range(ev.depth):
+        lv, la = f"{LM}layers.{i}.", f"{EXP}model.layers.{i}."
+        hv = _rms(xv) * (1 + t[lv + "input_layernorm.weight"])
+        ha, gate1 = ada(la + "input_layernorm", xa)
+        proj = {}
+        for x in "qkv":
+            proj[x] = torch.cat((_lin(t, lv + f"self_attn.{x}_proj", hv),
+                                 _lin(t, la + f"self_attn.{x}_proj", ha))).view(n + h, -1, d)
+        q, k, v = _rope(proj["q"], pos, cfg.rope_base), _rope(proj["k"], pos, cfg.rope_base), \
+            proj["v"]
+        per_kv = heads // k.shape[1]
+        outs = []
+        for j in range(heads):
+            kj, vj = k[:, j // per_kv], v[:, j // per_kv]
+            s = (q[:, j] @ kj.T) / math.sqrt(d)
+            outs.append(torch.softmax(s.masked_fill(~allowed, -math.inf), -1) @ vj)
+        o = torch.cat(outs, -1)
+        xv = xv + o[:n] @ t[lv + "self_attn.o_proj.weight"].T
+        xa = xa + (o[n:] @ t[la + "self_attn.o_proj.weight"].T) * gate1
+        xv = xv + mlp(lv, _rms(xv) * (1 + t[lv + "post_attention_layernorm.weight"]))
+        ha, gate2 = ada(la + "post_attention_layernorm", xa)
+        xa = xa + mlp(la, ha) * gate2
+    ha, _ = ada(EXP + "model.norm", xa)
+    logits = (_rms(xv[-1]) * (1 + t[LM + "norm.weight"])) @ t[LM_HEAD].T
+    return _lin(t, "action_out_proj", ha), logits
+
+
+def test_pi05_step_by_hand_from_openpi_names(saved):
+    model, path, _ = saved
+    cfg = model.cfg
+    t = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(4)
+    n = cfg.max_token_len
+    tokens = torch.randint(2, cfg.vocab, (1, n), generator=g)
+    token_mask = torch.arange(n)[None] < 11
+    size = cfg.vision.image_size
+    images = torch.rand(1, 3, 3, size, size, generator=g)
+    no_camera = torch.zeros(1, 3, dtype=torch.bool)
+    noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, generator=g)
+
+    kv = KV.allocate(cfg, 1, cfg.prefix_len)
+    hidden = model.prefill(images, no_camera, tokens, token_mask, kv, slice(0, 1))
+    trace = []
+    model.denoise(kv, slice(0, 1), noise, steps=1, trace=trace)
+    velocity, logits = _velocity_by_hand(t, cfg, tokens[0, :11], noise[0], 1.0)
+    # Tight: GELU's exact form instead of the tanh one moves these by ~1e-4.
+    torch.testing.assert_close(trace[0][0], velocity, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(model.logits(hidden)[0], logits, atol=2e-5, rtol=1e-7)
+    # Not vacuous: the time matters.
+    other, _ = _velocity_by_hand(t, cfg, tokens[0, :11], noise[0], 0.5)
+    assert (other - velocity).abs().max() > 1e-3
+
+
+def test_siglip_and_projector_by_hand_from_openpi_names(saved):
+    model, path, _ = saved
+    vis = model.cfg.vision
+    t = load_file(str(path / "model.safetensors"))
+    images = torch.rand(2, 3, vis.image_size, vis.image_size,
+                        generator=torch.Generator().manual_seed(6)) * 2 - 1
+    emb = VIT + "embeddings."
+    x = F.conv2d(images, t[emb + "patch_embedding.weight"], t[emb + "patch_embedding.bias"],
+                 stride=vis.patch)
+    x = x.flatten(2).transpose(1, 2) + t[emb + "position_embedding.weight"]
+    d = vis.width // vis.heads
+
+    def ln(name, x):
+        return F.layer_norm(x, (vis.width,), t[name + ".weight"], t[name + ".bias"], 1e-6)
+
+    for i in range(vis.depth):
+        p = f"{VIT}encoder.layers.{i}."
+        hn = ln(p + "layer_norm1", x)
+        q, k, v = (_lin(t, p + f"self_attn.{c}_proj", hn).unflatten(-1, (vis.heads, d))
+                   .transpose(1, 2) for c in "qkv")
+        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), -1) @ v
+        x = x + _lin(t, p + "self_attn.out_proj", a.transpose(1, 2).flatten(2))
+        hn = _gelu_tanh(_lin(t, p + "mlp.fc1", ln(p + "layer_norm2", x)))
+        x = x + _lin(t, p + "mlp.fc2", hn)
+    x = _lin(t, PG + "model.multi_modal_projector.linear", ln(VIT + "post_layernorm", x))
+    torch.testing.assert_close(model.embed_images(images), x, atol=1e-5, rtol=1e-5)

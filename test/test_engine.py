@@ -1,11 +1,15 @@
 """The engine schedules the same model computations differently; results must not change."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from oxygen_ros.engine import AdaptiveK, Engine, EngineConfig, KVCache, Observation
+from oxygen_ros.engine.requests import Request, sample
 from oxygen_ros.model import Pi05, load_config
+from oxygen_ros.model.processing import NormStats
 from oxygen_ros.model.tokenizer import Tokenizer
 
 torch.set_num_threads(1)
@@ -22,11 +26,11 @@ def tokenizer():
     return Tokenizer.default()
 
 
-def make_engine(model, tokenizer, **kw):
+def make_engine(model, tokenizer, norm_stats=None, **kw):
     cfg = dict(model='tiny', mode='oxygen', decode_k=2, max_requests=4, max_new_tokens=5,
                stop_at_eos=False, prompt_format='subtask', seed=7)
     cfg.update(kw)
-    return Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)
+    return Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer, norm_stats=norm_stats)
 
 
 PROMPTS = ['pick up the cup', 'open the drawer and put the towel inside', 'wave']
@@ -244,3 +248,116 @@ def test_adaptive_k_yields_to_the_deadline(model, tokenizer):
                       frame_budget_ms=1e-3)
     ks = [eng.step(obs, narrate=True).timing['k'] for obs in observations(eng.model_cfg, 4)]
     assert ks == [1, 0, 0, 0]
+
+
+def test_eos_ends_a_request_only_when_asked():
+    r = Request(stamp=0.0, max_new_tokens=5, stop_at_eos=True, eos_id=1)
+    r.append(7)
+    assert not r.finished and r.needs_pass
+    r.append(1)
+    assert r.finished and not r.needs_pass and r.tokens == [7, 1]
+    r = Request(stamp=0.0, max_new_tokens=3, stop_at_eos=False, eos_id=1)
+    r.append(1)
+    r.append(1)
+    assert not r.finished
+    r.append(1)
+    assert r.finished and len(r.tokens) == 3
+
+
+def test_engine_stops_at_eos(tokenizer):
+    torch.manual_seed(0)
+    model = Pi05(load_config('tiny')).to_inference('cpu')
+    logits = model.logits
+
+    def eos_always(hidden):
+        out = logits(hidden)
+        out[:, tokenizer.eos_id] = out.max() + 1.0
+        return out
+
+    model.logits = eos_always
+    for stop, tokens in ((True, 1), (False, 5)):
+        eng = make_engine(model, tokenizer, stop_at_eos=stop, decode_k=5)
+        evs = eng.step(next(observations(eng.model_cfg, 1)), narrate=True).events
+        assert [e.tokens for e in evs] == list(range(1, tokens + 1))
+        assert evs[-1].done and not evs[-1].cancelled and evs[-1].text == ''
+        assert eng.cache.free_rows == eng.cache.max_requests
+
+
+def test_sampling_follows_temperature_and_vocab_limit():
+    # logits [0, ln 3]: temperature 1 gives p = (1/4, 3/4), temperature 0.5 squares the
+    # odds: (1/10, 9/10).
+    n = 2000
+    logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(n, 1)
+    for temp, p1 in ((1.0, 0.75), (0.5, 0.9)):
+        reqs = [Request(stamp=0.0, temperature=temp, seed=3) for _ in range(n)]
+        freq = sum(sample(logits, reqs)) / n
+        assert abs(freq - p1) < 0.04, (temp, freq)
+    # Greedy, and never an id past the limit even where it scores highest.
+    reqs = [Request(stamp=0.0), Request(stamp=0.0, temperature=2.0)]
+    big = torch.tensor([[0.0, 1.0, 0.5, 9.0], [0.0, 0.0, 0.0, 50.0]])
+    assert sample(big[:1], reqs[:1]) == [3]
+    assert sample(big[:1], reqs[:1], vocab_limit=3) == [1]
+    assert all(sample(big[1:], reqs[1:], vocab_limit=3)[0] < 3 for _ in range(50))
+    # The same request seed gives the same draws whatever else is in the batch.
+    a, b = Request(stamp=0.0, temperature=1.0, seed=5), Request(stamp=0.0, temperature=1.0)
+    a2 = Request(stamp=0.0, temperature=1.0, seed=5, id=a.id)
+    flat = torch.zeros(2, 64)
+    draws = [sample(flat, [a, b])[0] for _ in range(5)]
+    assert draws == [sample(flat[:1], [a2])[0] for _ in range(5)]
+    assert len(set(draws)) > 1
+
+
+def test_missing_camera_is_masked_not_encoded(model, tokenizer):
+    eng = make_engine(model, tokenizer)
+    obs = next(observations(eng.model_cfg, 1, missing=('left_wrist_0_rgb',)))
+    f = eng.frame(obs)
+    assert f.image_mask.tolist() == [[True, False, True]]
+    assert (f.images[0, 1] == 0).all()
+    with pytest.raises(ValueError, match='unknown image slots'):
+        eng.frame(Observation(0.0, {'top': None}, np.zeros(6, np.float32), 'wave'))
+
+
+# q01/q99 of -2/2 on every state dim: normalised state = state / 2 (the 1e-6 in the
+# denominator moves nothing across a bin edge here).
+NORM = {'state': {'mean': [0.0] * 6, 'std': [1.0] * 6, 'q01': [-2.0] * 6, 'q99': [2.0] * 6},
+        'actions': {'mean': [0.0] * 3, 'std': [1.0] * 3, 'q01': [-1.0, 0.0, 10.0],
+                    'q99': [1.0, 4.0, 20.0]}}
+
+
+def test_pi05_prompt_carries_the_normalised_state(tokenizer):
+    # Room for the whole prompt (the tiny config keeps 24 tokens).
+    model = Pi05(load_config('tiny', max_token_len=80))
+    eng = make_engine(model, tokenizer, prompt_format='pi05',
+                      norm_stats=NormStats.from_dict(NORM))
+    state = np.array([0.6, -1.1, 3.0, -3.0, 0.1, 1.9], np.float32)
+    obs = Observation(0.0, {}, state, 'pick_up the cup')
+    f = eng.frame(obs)
+    text = tokenizer.decode(f.tokens[0][f.token_mask[0]].tolist())
+    # state / 2 = 0.3 -0.55 1.5 -1.5 0.05 0.95 -> bins floor((x + 1) * 128), -1 below -1,
+    # 255 from 1 up.
+    assert text.startswith('Task: pick up the cup, State: 166 57 255 -1 134 249')
+    assert text.endswith(';\nAction: ')
+
+
+def test_actions_are_unnormalised(model, tokenizer):
+    plain = make_engine(model, tokenizer)
+    normed = make_engine(model, tokenizer, norm_stats=NormStats.from_dict(NORM))
+    obs = next(observations(model.cfg, 1))
+    raw = plain.step(obs).actions
+    got = normed.step(obs).actions
+    # (a + 1) / 2 * (q99 - q01 + 1e-6) + q01 on the 3 dims with stats, the rest untouched.
+    expected = raw.astype(np.float64).copy()
+    for i, (lo, hi) in enumerate(((-1.0, 1.0), (0.0, 4.0), (10.0, 20.0))):
+        expected[:, i] = (raw[:, i] + 1.0) / 2.0 * (hi - lo + 1e-6) + lo
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got[:, :3], raw[:, :3])
+
+
+def test_adaptive_k_paces_one_request_evenly(model, tokenizer):
+    # 4 rows, 9 tokens: one request alone still spreads over 3 frames (3, 3, 3), then
+    # nothing is left to decode.
+    eng = make_engine(model, tokenizer, decode_k=0, max_requests=4, max_new_tokens=9,
+                      frame_budget_ms=1e6)
+    ks = [eng.step(obs, narrate=i == 0).timing['k']
+          for i, obs in enumerate(observations(eng.model_cfg, 5))]
+    assert ks == [3, 3, 3, 0, 0]

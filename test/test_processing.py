@@ -132,7 +132,10 @@ def test_quantile_normalize_by_hand():
 def test_quantile_unnormalize_by_hand():
     ns = NormStats.from_dict(STATS)
     a = ns.unnormalize_actions(np.array([[-1.0, 1.0, 0.0]]))
-    assert a[0].tolist() == pytest.approx([-2.0, 1.0 + 1e-6, 15.0 + 5e-6])
+    assert a[0].tolist() == pytest.approx([-2.0, 1.0 + 1e-6, 15.0 + 5e-7])
+    # openpi keeps the 1e-6 of the denominator when undoing it: q99 maps to q99 + 1e-6.
+    assert a[0, 1] - 1.0 == pytest.approx(1e-6, rel=1e-4)
+    assert a[0, 2] - 15.0 == pytest.approx(5e-7, rel=1e-4)
 
 
 def test_mean_std_variant_by_hand():

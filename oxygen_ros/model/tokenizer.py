@@ -119,7 +119,8 @@ def discretize_state(state: Sequence[float] | np.ndarray) -> np.ndarray:
 
 
 def action_prompt(task: str, state: Sequence[float] | np.ndarray) -> str:
-    """pi0.5's prefix text; `state` is already normalised and has only the robot's dims."""
+    """pi0.5's prefix text. `state` is already normalised and, as openpi's robot inputs and
+    LeRobot do, zero-padded to the model's action_dim, so every state dim gets a bin."""
     bins = " ".join(str(int(b)) for b in discretize_state(np.ravel(state)))
     return f"Task: {clean_task(task)}, State: {bins};\nAction: "
 
