@@ -361,3 +361,27 @@ def test_adaptive_k_paces_one_request_evenly(model, tokenizer):
     ks = [eng.step(obs, narrate=i == 0).timing['k']
           for i, obs in enumerate(observations(eng.model_cfg, 5))]
     assert ks == [3, 3, 3, 0, 0]
+
+
+def test_mixed_lengths_share_a_batch(model, tokenizer):
+    """Requests of different prompts and different token budgets decode together, each
+    exactly as it would alone."""
+    lengths = [6, 2, 4, 6, 3]
+    batched = make_engine(model, tokenizer, decode_k=1, max_new_tokens=6, max_requests=6)
+    texts, batches = {}, []
+    for obs, n in zip(observations(batched.model_cfg, 5), lengths):
+        r = batched.step(obs, narrate=True, max_new_tokens=n)
+        batches += r.timing['batches']
+        texts.update({e.stamp: e for e in r.events if e.done})
+    for _ in range(6):
+        r = batched.step(next(observations(batched.model_cfg, 1, seed=9)))
+        texts.update({e.stamp: e for e in r.events if e.done})
+    assert max(batches) >= 3
+    for i, n in enumerate(lengths):
+        alone = make_engine(model, tokenizer, mode='isolated', max_new_tokens=6)
+        obs = list(observations(alone.model_cfg, i + 1))[-1]
+        done = [e for e in alone.step(obs, narrate=True, max_new_tokens=n).events if e.done]
+        assert texts[float(i)].tokens == n == done[0].tokens
+        assert texts[float(i)].text == done[0].text
+    with pytest.raises(ValueError, match='max_new_tokens'):
+        batched.step(next(observations(batched.model_cfg, 1)), narrate=True, max_new_tokens=7)

@@ -217,13 +217,21 @@ class Engine:
 
     # -- one frame -------------------------------------------------------------------------
 
-    def step(self, obs: Observation, narrate: bool = False, on_actions=None) -> FrameResult:
-        """Run one frame. ``on_actions`` gets the chunk as soon as it exists, before language."""
+    def step(self, obs: Observation, narrate: bool = False, on_actions=None,
+             max_new_tokens: int | None = None) -> FrameResult:
+        """Run one frame. ``on_actions`` gets the chunk as soon as it exists, before language.
+
+        ``narrate`` starts a language request from this frame's prefill; ``max_new_tokens``
+        caps it below the configured maximum (the KV rows are sized for that maximum).
+        """
+        limit = self.cfg.max_new_tokens
+        if max_new_tokens is not None and not 1 <= max_new_tokens <= limit:
+            raise ValueError(f'max_new_tokens must be in [1, {limit}], got {max_new_tokens}')
         f = self.frame(obs)
         request = None
         if narrate:
             request = Request(stamp=obs.stamp, prompt=obs.prompt,
-                              max_new_tokens=self.cfg.max_new_tokens,
+                              max_new_tokens=max_new_tokens or limit,
                               stop_at_eos=self.cfg.stop_at_eos,
                               temperature=self.cfg.temperature, seed=self.cfg.seed,
                               eos_id=self.tokenizer.eos_id)
