@@ -385,3 +385,19 @@ def test_mixed_lengths_share_a_batch(model, tokenizer):
         assert texts[float(i)].text == done[0].text
     with pytest.raises(ValueError, match='max_new_tokens'):
         batched.step(next(observations(batched.model_cfg, 1)), narrate=True, max_new_tokens=7)
+
+
+def test_parallel_matches_isolated(model, tokenizer):
+    """Two copies in two threads: the same actions and texts, and the caller's torch thread
+    count restored after every frame."""
+    threads = torch.get_num_threads()
+    iso = make_engine(model, tokenizer, mode='isolated')
+    par = make_engine(model, tokenizer, mode='parallel')
+    a_iso, t_iso, _, _ = run(iso, 4)
+    a_par, t_par, _, _ = run(par, 4)
+    par.scheduler.close()
+    for x, y in zip(a_iso, a_par):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    assert t_par == t_iso and len(t_iso) == 4
+    assert par.scheduler.lang.model is not model
+    assert torch.get_num_threads() == threads
