@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..model import Pi05, load_config
+from ..model import load_config
 from ..model.tokenizer import Tokenizer
-from .engine import Engine, EngineConfig, Observation
+from .engine import Engine, EngineConfig, Observation, random_model
 from .requests import Request, sample
 
 MODES = ('isolated', 'shared_kv', 'parallel', 'oxygen')
@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
     torch.manual_seed(0)
-    model = Pi05(load_config(args.config)).to_inference(device, dtype).eval()
+    model = random_model(load_config(args.config), device, dtype).eval()
     tok = Tokenizer.default()
     params = sum(p.numel() for p in model.parameters())
     t_max = max(args.T)

@@ -304,6 +304,14 @@ def _compile(model) -> None:
     model._velocity = torch.compile(model._velocity, dynamic=True)
 
 
+def random_model(model_cfg, device: torch.device, dtype: torch.dtype) -> Pi05:
+    """Random weights (timing, demos), initialised where they will run: the full pi05
+    config is 13 GB in float32, too much to build on the host first."""
+    with torch.device(device):
+        model = Pi05(model_cfg)
+    return model.to_inference(device, dtype)
+
+
 def _load_model(cfg: EngineConfig, device: torch.device):
     dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
     norm = None
@@ -316,6 +324,6 @@ def _load_model(cfg: EngineConfig, device: torch.device):
             norm = NormStats.from_dict(stats)
     else:
         torch.manual_seed(cfg.seed)
-        model = Pi05(load_config(cfg.model)).to_inference(device, dtype)
+        model = random_model(load_config(cfg.model), device, dtype)
     model.eval()
     return model, norm

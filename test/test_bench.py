@@ -1,0 +1,33 @@
+"""oxygen-bench end to end on the tiny model: every mode and T measured, files written."""
+import csv
+import json
+
+import torch
+
+from oxygen_ros.engine import bench
+
+torch.set_num_threads(1)
+
+
+def test_bench_writes_json_csv_png(tmp_path, capsys):
+    report = bench.main(['--config', 'tiny', '--T', '2', '4', '--k', '2', '--frames', '3',
+                         '--warmup', '1', '--repeats', '2', '--threads', '1',
+                         '--out', str(tmp_path)])
+    rows = report['results']
+    assert sorted((r['mode'], r['T']) for r in rows) == sorted(
+        (m, t) for m in bench.MODES for t in (2, 4))
+    for r in rows:
+        # EOS is off and one request starts per frame: tokens per frame are bounded by T.
+        assert 0 < r['frame_ms_p50'] <= r['frame_ms_p99']
+        assert abs(r['action_hz'] - 4 * 1000.0 / r['frame_ms_mean']) < 1e-6  # horizon 4
+        if r['mode'] == 'isolated':
+            assert r['speedup'] == 1.0
+            assert r['tokens'] == r['T'] * 3  # every request decoded to the end in-frame
+    saved = json.loads((tmp_path / 'bench.json').read_text())
+    assert saved['config'] == 'tiny' and len(saved['results']) == 8
+    assert set(saved['phases']['decode_ms']) >= {'1', '2'}
+    with open(tmp_path / 'bench.csv') as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 8 and {'mode', 'T', 'action_hz', 'tokens_per_s'} <= set(table[0])
+    assert (tmp_path / 'bench.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert '| oxygen | 4 |' in capsys.readouterr().out
