@@ -56,6 +56,7 @@ PARAMS = (
     Param('temperature', 0.0, 'narration sampling temperature; 0 = greedy'),
     Param('seed', 0, 'random seed (weights when no checkpoint, noise, sampling)'),
     Param('prompt_format', 'pi05', "'pi05' (task + state) or 'subtask'"),
+    Param('compile', False, 'torch.compile the decode and denoise steps (for CUDA; slow start)'),
     # robot
     Param('robot', 'identity', "robot profile: 'identity', 'aloha' or 'droid'"),
     Param('profile_options', '', 'YAML mapping of profile options, e.g. "{delta: true}"'),
@@ -95,7 +96,7 @@ GROUP_PARAMS = (
 
 ENGINE_KEYS = ('model', 'checkpoint', 'tokenizer', 'device', 'threads', 'denoise_steps',
                'decode_k', 'frame_budget_ms', 'max_requests', 'max_new_tokens', 'admission',
-               'temperature', 'seed', 'prompt_format')
+               'temperature', 'seed', 'prompt_format', 'compile')
 
 
 class StartError(Exception):

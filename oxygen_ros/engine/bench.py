@@ -150,6 +150,8 @@ def main(argv=None) -> dict:
     p.add_argument('--adaptive', action='store_true',
                    help='also sweep fixed k against adaptive k at the largest T')
     p.add_argument('--control-rate', type=float, default=70.0)
+    p.add_argument('--compile', action='store_true',
+                   help='torch.compile the decode and denoise steps (slow start; for CUDA)')
     p.add_argument('--out', default='benchmarks/out')
     p.add_argument('--plot', action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
@@ -167,7 +169,8 @@ def main(argv=None) -> dict:
     def engine(mode, T, k=args.k):
         cfg = EngineConfig(mode=mode, device=args.device, denoise_steps=args.N, decode_k=k,
                            max_requests=max_batch + 1, max_new_tokens=T, stop_at_eos=False,
-                           prompt_format='subtask', control_rate_hz=args.control_rate)
+                           prompt_format='subtask', control_rate_hz=args.control_rate,
+                           compile=args.compile)
         return Engine(cfg, model=model, tokenizer=tok)
 
     phases = phase_times(engine('oxygen', t_max), max_batch, args.N, args.repeats)
@@ -207,7 +210,8 @@ def main(argv=None) -> dict:
 
     report = dict(config=args.config, params=params, device=str(device), dtype=str(dtype),
                   threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
-                  N=args.N, k=args.k, phases=phases, results=rows, k_sweep=sweep)
+                  N=args.N, k=args.k, compile=args.compile, phases=phases, results=rows,
+                  k_sweep=sweep)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / 'bench.json').write_text(json.dumps(report, indent=2))

@@ -300,8 +300,11 @@ def _compile(model) -> None:
     Shapes vary with the batch and the cache length, so the graphs are dynamic; on CUDA the
     launch overhead these phases are made of is what compiling removes.
     """
+    if getattr(model, 'compiled', False):
+        return
     model.decode_hidden = torch.compile(model.decode_hidden, dynamic=True)
     model._velocity = torch.compile(model._velocity, dynamic=True)
+    model.compiled = True
 
 
 def random_model(model_cfg, device: torch.device, dtype: torch.dtype) -> Pi05:
