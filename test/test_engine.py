@@ -401,3 +401,20 @@ def test_parallel_matches_isolated(model, tokenizer):
     assert t_par == t_iso and len(t_iso) == 4
     assert par.scheduler.lang.model is not model
     assert torch.get_num_threads() == threads
+
+
+def test_bfloat16_engine_tracks_float32(tokenizer):
+    """The CUDA precision policy (bf16 weights and KV, fp32 norms and embeddings), run on
+    the CPU: the same frames give actions close to float32 and the text stream works."""
+    actions = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        m = Pi05(load_config('tiny')).to_inference(torch.device('cpu'), dtype)
+        eng = make_engine(m, tokenizer)
+        assert eng.cache.kv.dtype == dtype
+        a, texts, _, _ = run(eng, 4)
+        actions[dtype] = np.stack(a)
+        assert len(texts) == 4
+    diff = np.abs(actions[torch.float32] - actions[torch.bfloat16]).max()
+    assert diff < 0.05 * np.abs(actions[torch.float32]).max()
+    assert diff > 0  # really ran in reduced precision
