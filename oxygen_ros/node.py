@@ -8,7 +8,8 @@ Threads, and why:
 - the control thread publishes what is left of the current chunk at control_rate_hz,
   shifted so that action i lands at frame time + i action periods. It sleeps to absolute
   deadlines instead of being an executor timer: on two cores a Python executor dispatching
-  ~200 callbacks/s next to the model delayed timer callbacks by tens of ms (measured);
+  ~200 callbacks/s next to the model delayed timer callbacks by tens of ms (measured).
+  Under use_sim_time control is a timer on the node's clock instead, so it follows /clock;
 - a diagnostics timer (executor) reports rates, latencies and counted problems.
 """
 
@@ -161,6 +162,7 @@ class OxygenNode:
         self._readings: dict[str, dict[str, float]] = {}
         self._narrate_now = False
         self._threads: list[threading.Thread] = []
+        self._tick_clock = time.monotonic  # what tick gaps are measured in
         self.p = self._read_params()
         self.reporter.period = self.p['report_period']
         self._prompt = self.p['prompt']
@@ -447,8 +449,18 @@ class OxygenNode:
     # -- engine thread ---------------------------------------------------------------------
 
     def start(self):
-        self._threads = [threading.Thread(target=self._run, name='engine', daemon=True),
-                         threading.Thread(target=self._control, name='control', daemon=True)]
+        self._threads = [threading.Thread(target=self._run, name='engine', daemon=True)]
+        if self.node.get_parameter('use_sim_time').value:
+            # Simulated time: a timer on the node's clock in its own callback group, so
+            # control follows /clock and stops while the simulation is paused.
+            from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+
+            self._tick_clock = self._now
+            self.node.create_timer(1.0 / self.p['control_rate_hz'], self._tick,
+                                   callback_group=MutuallyExclusiveCallbackGroup())
+        else:
+            self._threads.append(threading.Thread(target=self._control, name='control',
+                                                  daemon=True))
         for t in self._threads:
             t.start()
 
@@ -580,7 +592,7 @@ class OxygenNode:
             self._tick()
 
     def _tick(self):
-        t = time.monotonic()
+        t = self._tick_clock()
         if self._ticks:
             gap = t - self._ticks[-1]
             self._gaps.append(gap)
