@@ -11,6 +11,20 @@ cd "$root"
 venv="${OXYGEN_VENV:-$HOME/.cache/oxygen_ros/venv}"
 
 have_ros() { [ -n "${ROS_DISTRO:-}" ] && command -v colcon >/dev/null 2>&1; }
+python="${PYTHON:-python3}"
+
+need() {
+  # The ROS 2 wheels exist only for CPython 3.11; rosidl needs CMake and a C++ compiler.
+  local v
+  v=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || v=none
+  if ! have_ros && [ "$v" != 3.11 ]; then
+    echo "tools/ws.sh: $python is Python $v; the ROS 2 Jazzy wheels need 3.11 (set PYTHON=)" >&2
+    exit 2
+  fi
+  for tool in cmake c++; do
+    command -v "$tool" >/dev/null 2>&1 || { echo "tools/ws.sh: $tool not found" >&2; exit 2; }
+  done
+}
 
 setup() {
   local want stamp="$venv/.oxygen-setup"
@@ -22,14 +36,15 @@ setup() {
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return
   fi
+  need
   echo "== setting up $venv"
   if have_ros; then
     mkdir -p "$(dirname "$venv")"
-    python3 -m venv --system-site-packages "$venv"
+    "$python" -m venv --system-site-packages "$venv"
     "$venv/bin/pip" install -q -r requirements.txt
   else
     mkdir -p "$(dirname "$venv")"
-    python3 -m venv "$venv"
+    "$python" -m venv "$venv"
     "$venv/bin/pip" install -q --upgrade 'pip<26'
     "$venv/bin/pip" install -q -r requirements.txt -r requirements-ros.txt
     "$venv/bin/python" tools/fix_wheel_cmake.py "$venv"
