@@ -4,6 +4,7 @@ model; this process plays the robot (cameras, joint states) and listens to what 
 One node process serves the whole module, so the bad-input tests also show that a problem
 does not leave anything behind for the next one.
 """
+import contextlib
 import math
 import os
 import random
@@ -91,6 +92,21 @@ def image(w=64, h=48, stamp=None, encoding='rgb8'):
     return m
 
 
+def joint_state(stamp, names):
+    m = JointState()
+    m.header.stamp = stamp
+    m.name = names
+    m.position = [0.1 * i for i in range(len(names))]
+    return m
+
+
+def rate(received, seconds):
+    """Messages per second appended to `received` over the next `seconds`."""
+    start = len(received)
+    time.sleep(seconds)
+    return (len(received) - start) / seconds
+
+
 class Robot:
     """Cameras at 30 Hz, joints at 50 Hz, knobs to break them, and everything received."""
 
@@ -142,20 +158,13 @@ class Robot:
             pub.publish(m)
 
     def _joints(self):
-        m = JointState()
-        m.header.stamp = self._stamp()
-        names = [j for j in JOINTS if j not in self.leave_out]
-        m.name = names
-        m.position = [0.1 * i for i in range(len(names))]
+        m = joint_state(self._stamp(), [j for j in JOINTS if j not in self.leave_out])
         if self.bad_joints is not None and self.n % 2:
             m = self.bad_joints(m)
         self.joint_pub.publish(m)
 
     def rate(self, seconds):
-        """Trajectories per second over the next `seconds`."""
-        start = len(self.traj)
-        time.sleep(seconds)
-        return (len(self.traj) - start) / seconds
+        return rate(self.traj, seconds)
 
 
 @pytest.fixture(scope='module')
@@ -164,34 +173,28 @@ def domain():
     return str(random.randint(120, 220))
 
 
-@pytest.fixture(scope='module')
-def robot(domain, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp('node')
-    params = write_params(tmp / 'params.yaml', PARAMS)
+@contextlib.contextmanager
+def node_process(tmp, params, domain, name, make, *ros_args):
+    """The installed oxygen_node as its own process with `params`, and a node of ours built
+    by `make(node)` and spun in a thread. Yields (process, what make built); `.log()` on
+    the latter reads the node's output."""
     log_path = tmp / 'node.log'
     log = open(log_path, 'w')
     proc = subprocess.Popen(
-        [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file', params,
-         '-r', 'front/image:=/remapped/front'],
+        [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file',
+         write_params(tmp / 'params.yaml', params), *ros_args],
         stdout=log, stderr=subprocess.STDOUT, env=node_env(domain))
     os.environ['ROS_DOMAIN_ID'] = domain
     context = rclpy.Context()
     rclpy.init(context=context)
-    node = rclpy.create_node('fake_robot', context=context)
-    r = Robot(node)
-    r.proc, r.log_path = proc, log_path
-    r.log = lambda: log_path.read_text()
+    node = rclpy.create_node(name, context=context)
+    ours = make(node)
+    ours.log = log_path.read_text
     ex = SingleThreadedExecutor(context=context)
     ex.add_node(node)
-    spin = threading.Thread(target=ex.spin, daemon=True)
-    spin.start()
+    threading.Thread(target=ex.spin, daemon=True).start()
     try:
-        started = wait_for(lambda: 'missing joint readings' in r.log() or proc.poll() is not None,
-                           60)
-        assert started and proc.poll() is None, r.log()
-        r.leave_out = set()
-        assert wait_for(lambda: len(r.traj) > 20, 30), 'no trajectories:\n' + r.log()
-        yield r
+        yield proc, ours
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -203,6 +206,20 @@ def robot(domain, tmp_path_factory):
         node.destroy_node()
         rclpy.try_shutdown(context=context)
         log.close()
+
+
+@pytest.fixture(scope='module')
+def robot(domain, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('node')
+    with node_process(tmp, PARAMS, domain, 'fake_robot', Robot,
+                      '-r', 'front/image:=/remapped/front') as (proc, r):
+        r.proc = proc
+        started = wait_for(lambda: 'missing joint readings' in r.log() or proc.poll() is not None,
+                           60)
+        assert started and proc.poll() is None, r.log()
+        r.leave_out = set()
+        assert wait_for(lambda: len(r.traj) > 20, 30), 'no trajectories:\n' + r.log()
+        yield r
 
 
 def log_after(robot, mark):

@@ -1,10 +1,6 @@
 """Under use_sim_time the node's control follows /clock: a simulation at half speed gets
 commands at half the wall rate, and a paused one gets none."""
-import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,11 +10,10 @@ rclpy = pytest.importorskip('rclpy')
 pytest.importorskip('oxygen_ros.msg', reason='oxygen_ros.msg exists only in a colcon build '
                     '(make test)')
 
-from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from rosgraph_msgs.msg import Clock  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
-from test_node import JOINTS, PARAMS, image, node_env, wait_for, write_params  # noqa: E402
+from test_node import JOINTS, PARAMS, image, joint_state, node_process, rate, wait_for  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 
@@ -70,51 +65,21 @@ class Simulation:
 
     def _joints(self):
         if self.speed:
-            m = JointState()
-            m.header.stamp = self._stamp()
-            m.name = JOINTS
-            m.position = [0.1 * i for i in range(len(JOINTS))]
-            self.joints.publish(m)
+            self.joints.publish(joint_state(self._stamp(), JOINTS))
 
     def rate(self, seconds):
-        start = len(self.traj)
-        time.sleep(seconds)
-        return (len(self.traj) - start) / seconds
+        return rate(self.traj, seconds)
 
 
 @pytest.fixture(scope='module')
 def sim(tmp_path_factory):
-    domain = str(random.randint(221, 232))
     tmp = tmp_path_factory.mktemp('sim_time')
-    params = write_params(tmp / 'params.yaml', dict(PARAMS, use_sim_time=True))
-    log_path = tmp / 'node.log'
-    log = open(log_path, 'w')
-    proc = subprocess.Popen(
-        [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file', params],
-        stdout=log, stderr=subprocess.STDOUT, env=node_env(domain))
-    os.environ['ROS_DOMAIN_ID'] = domain
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    node = rclpy.create_node('simulation', context=context)
-    s = Simulation(node)
-    s.log = log_path.read_text
-    ex = SingleThreadedExecutor(context=context)
-    ex.add_node(node)
-    threading.Thread(target=ex.spin, daemon=True).start()
-    try:
+    domain = str(random.randint(221, 232))
+    with node_process(tmp, dict(PARAMS, use_sim_time=True), domain, 'simulation',
+                      Simulation) as (proc, s):
         assert wait_for(lambda: len(s.traj) > 20 or proc.poll() is not None, 60), s.log()
         assert proc.poll() is None, s.log()
         yield s
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        ex.shutdown(timeout_sec=1)
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)
-        log.close()
 
 
 def test_control_follows_the_simulated_clock(sim):
