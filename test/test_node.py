@@ -344,32 +344,25 @@ def test_skewed_inputs(robot):
     assert_alive_and_commanding(robot)
 
 
-def test_nan_joint(robot):
+def _nan_first(m):
+    m.position = [float('nan')] + list(m.position[1:])
+    return m
+
+
+def _renamed(m):
+    m.name = [f'other_{n}' for n in m.name]
+    return m
+
+
+@pytest.mark.parametrize('breakage, report', [
+    (_nan_first, r'joints fr3_joint1 read NaN/inf'),
+    (_renamed, r'none of the joints .*other_fr3_joint1.* are used'),
+], ids=['nan_joint', 'unknown_joint_names'])
+def test_bad_joint_states(robot, breakage, report):
     mark = len(robot.log())
-
-    def bad(m):
-        m.position = [float('nan')] + list(m.position[1:])
-        return m
-
-    robot.bad_joints = bad
+    robot.bad_joints = breakage
     try:
-        expect_log(robot, mark, r'joints fr3_joint1 read NaN/inf')
-        assert_alive_and_commanding(robot)
-    finally:
-        robot.bad_joints = None
-    assert_alive_and_commanding(robot)
-
-
-def test_unknown_joint_names(robot):
-    mark = len(robot.log())
-
-    def bad(m):
-        m.name = [f'other_{n}' for n in m.name]
-        return m
-
-    robot.bad_joints = bad
-    try:
-        expect_log(robot, mark, r'none of the joints .*other_fr3_joint1.* are used')
+        expect_log(robot, mark, report)
         assert_alive_and_commanding(robot)
     finally:
         robot.bad_joints = None
