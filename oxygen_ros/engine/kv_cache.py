@@ -50,9 +50,8 @@ class KVCache:
         """A free request row, or None when every row is taken."""
         if not self._free:
             return None
-        row = self._free.pop(0)
-        self.kv.clear(slice(row, row + 1))
-        return row
+        # Rows start cleared and are cleared again when freed.
+        return self._free.pop(0)
 
     def free(self, row: int) -> None:
         if not 0 <= row < self.max_requests:

@@ -29,7 +29,6 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     row: int | None = None
     tokens: list[int] = field(default_factory=list)
-    step: int = 0
     frames: int = 0  # frames it has been decoded in so far
     finished: bool = False
     cancelled: bool = False
@@ -42,13 +41,17 @@ class Request:
             raise ValueError(f'temperature must be >= 0, got {self.temperature}')
 
     @property
+    def step(self) -> int:
+        """Decode steps taken: one per generated token."""
+        return len(self.tokens)
+
+    @property
     def needs_pass(self) -> bool:
         """True when its last token must go through the model before the next can be sampled."""
         return bool(self.tokens) and not self.finished
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
-        self.step += 1
         if len(self.tokens) >= self.max_new_tokens or (self.stop_at_eos and token == self.eos_id):
             self.finished = True
 

@@ -223,7 +223,7 @@ class Scheduler:
             batches.append(self._decode_step(out))
         return batches
 
-    def _admit_pending(self, out: FrameOutput) -> None:
+    def _admit_pending(self) -> None:
         while self.pending and self.cache.free_rows:
             request, f = self.pending.popleft()
             row = self.cache.alloc()
@@ -262,7 +262,7 @@ class Scheduler:
                 while len(self.pending) > self.max_pending:
                     self.pending.popleft()
                     self.dropped += 1
-        self._admit_pending(out)
+        self._admit_pending()
         t3 = clock()
 
         steps = 0
