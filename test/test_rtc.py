@@ -1,6 +1,7 @@
 """Real-time chunking: the soft mask and guidance weight by hand, the guidance as a full
 Jacobian computes it, and what it does to a sample on the tiny model."""
 
+import json
 import math
 
 import numpy as np
@@ -191,3 +192,21 @@ def test_engine_joins_a_chunk_given_in_this_frames_terms():
     np.testing.assert_allclose(a[:3, :6], given[4:7], atol=1e-5)
     with pytest.raises(ValueError, match='previous'):
         rtc.step(obs[1], handover=Handover(4, 3, previous=given[:5]))
+
+
+def test_rtc_bench_writes_its_table(tmp_path):
+    from oxygen_ros.engine import rtc_bench
+
+    assert rtc_bench.main(['--config', 'tiny', '--frames', '4', '--warmup', '1', '--s', '1',
+                           '--delays', '1', '2', '--dims', '8', '--threads', '1',
+                           '--out', str(tmp_path), '--no-plot']) == 0
+    rows = json.loads((tmp_path / 'rtc.json').read_text())
+    assert [(r['rtc'], r['delay']) for r in rows] == [(False, 1), (True, 1), (False, 2),
+                                                      (True, 2)]
+    for r in rows:
+        assert r['switches'] == 4
+        assert r['switch_jump_max'] >= r['switch_jump_p95'] >= 0
+        assert r['jerk_p95'] > 0 and r['frame_ms_p50'] > 0
+    # Seeded, so not a matter of luck: guidance shrinks the jump at every delay.
+    for off, on in zip(rows[::2], rows[1::2]):
+        assert on['switch_jump_max'] < off['switch_jump_max']
