@@ -3,6 +3,7 @@ from their public code: examples/droid/main.py (openpi) and FrankaRobot.create_a
 with RobotIKSolver (droid-dataset/droid), and PickNik's ros2_robotiq_gripper for the
 knuckle joint. The shipped config/droid.yaml is what is checked."""
 import pathlib
+import random
 
 import numpy as np
 import pytest
@@ -24,6 +25,26 @@ def shipped_profile():
     params = yaml.safe_load(CONFIG.read_text())['/**']['ros__parameters']
     assert params['robot'] == 'droid'
     return make_profile(params['robot'], **yaml.safe_load(params['profile_options']))
+
+
+def test_rcl_reads_the_same_profile_options():
+    # The node gets profile_options from rcl's YAML parser, not PyYAML: the folded string
+    # must come through whole.
+    rclpy = pytest.importorskip('rclpy')
+    from rclpy.node import Node
+
+    context = rclpy.Context()
+    rclpy.init(args=['--ros-args', '--params-file', str(CONFIG)], context=context,
+               domain_id=random.randint(120, 220))
+    try:
+        node = Node('droid_params', context=context,
+                    automatically_declare_parameters_from_overrides=True)
+        value = node.get_parameter('profile_options').value
+        node.destroy_node()
+    finally:
+        rclpy.shutdown(context=context)
+    params = yaml.safe_load(CONFIG.read_text())['/**']['ros__parameters']
+    assert value == params['profile_options']
 
 
 def openpi_client(row):
