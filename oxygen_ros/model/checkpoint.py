@@ -139,7 +139,7 @@ def config_from_json(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
             name = name.removesuffix("_lora")
             if name not in VARIANTS:
                 raise CheckpointError(f"unknown {key} {name!r}; known: {sorted(VARIANTS)}; "
-                                      f"pass cfg explicitly")
+                                      f"give the dims as a model config (EngineConfig.model)")
             over[field] = VARIANTS[name]
     for key in ("action_dim", "action_horizon", "max_token_len"):
         if key in meta:
@@ -162,7 +162,7 @@ def infer_config(base: ModelConfig, shapes: dict[str, tuple[int, ...]],
         heads = base.vision.heads if width == base.vision.width else None
         if heads is None:
             raise CheckpointError(f"cannot tell the vision head count for width {width}; "
-                                  f"pass cfg explicitly")
+                                  f"give the dims as a model config (EngineConfig.model)")
         over["vision"] = VisionConfig(width=width, depth=depth(VIT + "encoder.layers."),
                                       mlp=fc1[0], heads=heads, patch=p,
                                       image_size=int(round(pos[0] ** 0.5)) * p)
@@ -174,7 +174,8 @@ def infer_config(base: ModelConfig, shapes: dict[str, tuple[int, ...]],
             known = [v for v in VARIANTS.values() if v.width == gate[1] and v.mlp == gate[0]]
             if not known:
                 raise CheckpointError(f"cannot tell the {field} variant (width {gate[1]}, "
-                                      f"mlp {gate[0]}); pass cfg explicitly")
+                                      f"mlp {gate[0]}); give the dims as a model config "
+                                      f"(EngineConfig.model)")
             over[field] = ExpertConfig(**{**known[0].__dict__, "depth": depth(prefix)})
     emb = shapes.get(EMBED) or shapes.get(LM_HEAD)
     if emb:
@@ -242,6 +243,9 @@ def load_checkpoint(path, cfg: ModelConfig | None = None, device="cpu", dtype=No
                                 ("wrong shape", wrong)):
                 if keys:
                     lines.append(f"  {label} ({len(keys)}): " + ", ".join(keys))
+            lines.append(f"  (the dims are those of config {cfg.name!r}: name the model config "
+                         f"the checkpoint has as `model`, or leave `model` empty to take them "
+                         f"from its config.json)")
             raise CheckpointError("\n".join(lines))
         state = {}
         for name, parts in _layout(cfg).items():
@@ -335,12 +339,11 @@ def _open_lerobot(weights, root, meta, dims, device, dtype, normalize, conventio
                  image_slots=policy.slots, action_dim=policy.model_action_dim,
                  time_grid=conventions or "lerobot")
     cfg = dims or config_from_json({k: meta[k] for k in policy.variants}, _shapes(weights))
-    cfg = cfg.replace(**facts)
-    size = cfg.vision.image_size
+    model, _, info = load_checkpoint(weights, cfg.replace(**facts), device, dtype)
+    size = model.cfg.vision.image_size
     if policy.image_size != (size, size):
         raise CheckpointError(f"config.json: image_resolution {list(policy.image_size)} but "
                               f"the vision tower takes {size}x{size}")
-    model, _, info = load_checkpoint(weights, cfg, device, dtype)
     norm = policy.norm
     if norm is not None and conventions is not None:
         norm = NormStats(norm.state, norm.actions, conventions, norm.eps)
@@ -372,6 +375,7 @@ def save_checkpoint(model: Pi05, path, norm_stats: dict | None = None,
     save_file(tensors, str(root / "model.safetensors"))
     precision = "bfloat16" if model.dtype == torch.bfloat16 else "float32"
     meta = {"action_dim": cfg.action_dim, "action_horizon": cfg.action_horizon,
+            "max_token_len": cfg.max_token_len,
             "paligemma_variant": _variant(cfg.vlm), "action_expert_variant": _variant(cfg.expert),
             "precision": precision, "pi05": True, "oxygen": cfg.to_dict()}
     (root / "config.json").write_text(json.dumps(meta, indent=2))

@@ -152,7 +152,7 @@ class NormStats:
             raise ValueError(f"conventions must be one of {CONVENTIONS}, got {conventions!r}")
         if conventions == "openpi":
             for name, s in (("state", state), ("actions", actions)):
-                if s is not None and s.mode not in ("QUANTILES", "MEAN_STD"):
+                if s is not None and s.mode not in ("QUANTILES", "MEAN_STD", "IDENTITY"):
                     raise ValueError(f"openpi normalises with QUANTILES or MEAN_STD, not "
                                      f"{s.mode} ({name})")
         self.state = state
