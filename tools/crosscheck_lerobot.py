@@ -1,6 +1,6 @@
-"""Numerical cross-check of oxygen_ros.model against LeRobot's pi0.5 (PI05Pytorch).
+"""Numerical cross-check of oxygen_ros against LeRobot's pi0.5, model and saved policy.
 
-What it checks, on a tiny randomly initialised model (fp32, CPU, openpi's bidirectional prompt,
+Model level, on a tiny randomly initialised model (fp32, CPU, openpi's bidirectional prompt,
 a batch of 3 rows: all cameras / middle camera masked / only the middle camera, with prompts
 right-padded to different lengths, one not padded at all):
   1. checkpoint.py key mapping: LeRobot's state_dict, written to safetensors both in LeRobot's
@@ -19,24 +19,39 @@ right-padded to different lengths, one not padded at all):
      continuing from the valid prefix count): this checks the arithmetic, not the convention;
   5. sensitivity: a causal prompt, a masked camera treated as valid, and a zeroed adaRMS
      layer must each move the results well past the tolerances, so the check can fail.
+Policy level, as a user has it:
+  6. LeRobot builds a tiny random PI05Policy (chunk_size 16, n_action_steps 12, 8-d state,
+     7-d action, three cameras fed at 37x61, 80x50 and 56x56) and saves it with
+     policy.save_pretrained plus make_pi05_pre_post_processors(...).save_pretrained, once with
+     QUANTILES state and actions and once with MEAN_STD state and MIN_MAX actions, the stats
+     non-trivial; its config.json names gemma_2b / gemma_300m while the tensors are tiny.
+     LeRobot reloads the directory (PI05Policy.from_pretrained, PolicyProcessorPipeline.
+     from_pretrained) and runs preprocessor -> predict_action_chunk(noise) -> postprocessor on
+     a raw observation (uint8 images as float [0, 1] CxHxW, raw state with one value on a
+     bin edge, a task); Engine(EngineConfig(checkpoint=DIR, model=DIMS_YAML, tokenizer=SPM,
+     seed=0)).step(obs, noise=N) must give the same [16, 7] chunk within 1e-4, with all
+     cameras and with one missing, and openpi's conventions on the same directory must not.
 Not covered: bf16 (LeRobot 0.6 also keeps the whole vision tower in fp32, openpi and we only
-its patch/position embeddings), the "causal" prompt flavour itself (LeRobot has none), image
-preprocessing, tokenizer, normalisation, and real pi0.5 dims or weights.
+its patch/position embeddings), the "causal" prompt flavour itself (LeRobot has none), real
+pi0.5 dims or weights, relative actions and RTC (refused by the engine), and the tokenizer:
+LeRobot's TokenizerProcessorStep would fetch google/paligemma-3b-pt-224 from the hub, which
+is not reachable here, so it is handed the SentencePiece model the engine gets, called
+through SentencePiece itself.
 
-LeRobot's modelling code is used unmodified. Only its plumbing is bypassed: its model needs 8
-query heads (it hard-codes the attention reshape) and takes Gemma variants by name, so the
-tiny dims are injected by wrapping the constructors it calls; lerobot>=0.5 declares
-Python>=3.12 and some of its non-model modules use 3.12-only syntax, so its package
-__init__ files, config and policy base classes are replaced by stubs here and the modelling
-files (policies/pi_gemma.py, policies/pi05/modeling_pi05.py, policies/common/*) are imported
-directly, so neither torchvision nor the rest of LeRobot's dependencies are needed.
+LeRobot's code is used unmodified. Only its plumbing is bypassed: its model needs 8 query
+heads (it hard-codes the attention reshape) and takes Gemma variants by name, so the tiny
+dims are injected by wrapping the constructors it calls; lerobot.policies' __init__ (which
+imports every policy) is skipped; torchvision, which only LeRobot's training transforms use
+and whose PyPI build does not load against the CPU torch here, is a stub; and on Python 3.11
+(lerobot>=0.5 declares 3.12) the PEP 695 type-parameter lists of a few LeRobot modules, which
+only feed annotations, are rewritten at import into TypeVars and typing.Generic.
 
 Run it in a separate environment, never the project's venv:
     python3 -m venv /tmp/xcheck-venv
     /tmp/xcheck-venv/bin/pip install torch==2.13.0
     /tmp/xcheck-venv/bin/pip install --no-deps --ignore-requires-python lerobot==0.6.1
     /tmp/xcheck-venv/bin/pip install 'transformers==5.5.4' 'draccus>=0.11.6,<0.12' \
-        'torch==2.13.0'
+        'torch==2.13.0' sentencepiece einops gymnasium
     PYTHONPATH=/work/main OMP_NUM_THREADS=1 /tmp/xcheck-venv/bin/python \
         tools/crosscheck_lerobot.py
 (--no-deps also skips LeRobot's torch<2.12 pin; nothing used here depends on it. Checked with
@@ -444,7 +459,7 @@ def policy_stats(seed: int = 3) -> dict:
     return out
 
 
-def save_policy(m, directory: Path, norm_map: dict, tokenizer_path: Path) -> None:
+def save_policy(m, directory: Path, norm_map: dict) -> None:
     """A tiny random PI05Policy saved as LeRobot saves one: save_pretrained plus its pre-
     and post-processors (the stats go into their safetensors files)."""
     from lerobot.configs import FeatureType, NormalizationMode, PolicyFeature
@@ -540,10 +555,10 @@ def check_policy_directory(m, report: Report, tmp: Path) -> None:
     dims = tmp / "dims.yaml"
     dims.write_text(yaml.safe_dump(dict(name="xcheck", vlm=VLM, expert=EXPERT, vision=VISION,
                                         vocab=VOCAB)))
-    stats = {k: {s: v for s, v in d.items()} for k, d in policy_stats().items()}
+    stats = policy_stats()
     for tag, norm_map in NORM_MAPS.items():
         directory = tmp / f"policy_{tag.replace('/', '_')}"
-        save_policy(m, directory, norm_map, tokenizer)
+        save_policy(m, directory, norm_map)
         meta = json.loads((directory / "config.json").read_text())
         if meta["paligemma_variant"] != "gemma_2b":
             raise SystemExit("expected the saved config to name variants its tensors lack")

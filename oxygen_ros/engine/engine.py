@@ -396,10 +396,11 @@ def _load(cfg: EngineConfig, device: torch.device) -> Checkpoint:
                                cfg.conventions or None)
     else:
         torch.manual_seed(cfg.seed)
-        model = random_model(load_config(cfg.model or 'small'), device, dtype)
+        conventions = cfg.conventions or 'openpi'
+        model = random_model(load_config(cfg.model or 'small', time_grid=conventions), device,
+                             dtype)
         mc = model.cfg
-        ckpt = Checkpoint(model, None, 'random', cfg.conventions or 'openpi',
-                          tuple(mc.image_slots), None, mc.action_dim, mc.action_horizon,
-                          mc.action_horizon, None)
+        ckpt = Checkpoint(model, None, 'random', conventions, tuple(mc.image_slots), None,
+                          mc.action_dim, mc.action_horizon, mc.action_horizon, None)
     ckpt.model.eval()
     return ckpt

@@ -309,6 +309,8 @@ def open_checkpoint(path, dims: ModelConfig | None = None, device="cpu", dtype=N
     facts = {"time_grid": conventions or "openpi"}
     if dims is not None:
         facts.update({k: int(meta[k]) for k in ("action_horizon", "max_token_len") if k in meta})
+        if "image_slots" in meta.get("oxygen", {}):  # only our own files name the slots
+            facts["image_slots"] = meta["oxygen"]["image_slots"]
         act = _shapes(weights).get("action_in_proj.weight")
         if act:
             facts["action_dim"] = act[1]
