@@ -41,11 +41,17 @@ FP32_PARAMS = re.compile(
     r"action_(in|out)\.|time_(in|out)\.)")
 
 
-def flow_times(steps: int) -> tuple[list[float], float]:
-    """Time of each Euler step, accumulated in fp32 as openpi does (1.0, 0.9, 0.79999995...)."""
+def flow_times(steps: int, grid: str = "openpi") -> tuple[list[float], float]:
+    """Time of each Euler step: "openpi" accumulates them in fp32 (1.0, 0.9, 0.79999995...);
+    "lerobot" computes 1 + k*dt in float64 and rounds each to fp32 (1.0, 0.9, 0.8, ...)."""
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
     dt = torch.tensor(-1.0 / steps, dtype=torch.float32)
+    if grid == "lerobot":
+        return [float(torch.tensor(1.0 + k * (-1.0 / steps), dtype=torch.float32))
+                for k in range(steps)], float(dt)
+    if grid != "openpi":
+        raise ValueError(f"unknown time grid {grid!r}")
     t = torch.tensor(1.0, dtype=torch.float32)
     out = []
     while t >= -dt / 2:
@@ -320,7 +326,7 @@ class Pi05(nn.Module):
         dev = self.device
         b, t, _ = noise.shape
         rows = _contiguous_rows(rows, kv, b)
-        times, dtime = flow_times(steps)
+        times, dtime = flow_times(steps, self.cfg.time_grid)
         lp = int(kv.length[rows].max()) if cols is None else cols
         mods = self._modulations(times)
 
