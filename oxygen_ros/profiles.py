@@ -27,6 +27,15 @@ class Profile:
         predicted from. Returns [H, action_dim] targets in robot units."""
         raise NotImplementedError
 
+    def rebase(self, actions: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """A chunk of model actions predicted at state `old`, expressed for a frame observed
+        at state `new`: the numbers that command the same targets from there. Real-time
+        chunking guides the next chunk towards the one being executed in these terms.
+        Absolute actions are the same numbers anywhere."""
+        self._state(old)
+        self._state(new)
+        return self._actions(actions)
+
     def reanchor(
         self, actions: np.ndarray, measured: np.ndarray, first: int
     ) -> np.ndarray | None:
@@ -159,6 +168,15 @@ class Aloha(Profile):
             s[ALOHA_GRIPPERS] = gripper_to_angular(s[ALOHA_GRIPPERS])
         return s
 
+    def rebase(self, actions: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        a = self._actions(actions)
+        if self.delta:
+            a[:, ALOHA_ARMS] += (self.encode_state(old) - self.encode_state(new))[ALOHA_ARMS]
+        else:
+            self._state(old)
+            self._state(new)
+        return a
+
     def decode_actions(self, actions: np.ndarray, state: np.ndarray) -> np.ndarray:
         a = self._actions(actions)
         if self.delta:
@@ -252,6 +270,14 @@ class Droid(Profile):
         if self.binarize_gripper:
             g = (g > 0.5).astype(np.float64)
         a[:, 7] = _unnormalize(g, self.gripper_open, self.gripper_closed)
+        return a
+
+    def rebase(self, actions: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        # Velocities (re-anchored or not) and absolute positions mean the same anywhere.
+        a = self._actions(actions)
+        q0, q1 = self._state(old)[:7], self._state(new)[:7]
+        if self.delta:
+            a[:, :7] += q0 - q1
         return a
 
     def reanchor(

@@ -20,6 +20,7 @@ import yaml
 from ..model import Pi05, load_config
 from ..model.checkpoint import Checkpoint, open_checkpoint
 from ..model.processing import CONVENTIONS, NormStats, prepare_image
+from ..model.rtc import Guide, Handover
 from ..model.tokenizer import Tokenizer, action_prompt, subtask_prompt
 from .kv_cache import KVCache
 from .parallel import ParallelScheduler
@@ -56,6 +57,8 @@ class EngineConfig:
     prompt_format: str = 'pi05'  # pi05: openpi's action prompt with state; subtask: OxyGen's
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     compile: bool = False  # torch.compile the decode and denoise phases (CUDA)
+    rtc: bool = False  # real-time chunking: guide each chunk towards the one being executed
+    rtc_beta: float = 5.0  # largest guidance weight (the paper's beta); 0 = no guidance
 
     def __post_init__(self):
         if self.mode not in MODES + ('parallel',):
@@ -79,6 +82,8 @@ class EngineConfig:
             raise ValueError(f'frame_budget_ms must be >= 0, got {self.frame_budget_ms}')
         if self.temperature < 0:
             raise ValueError(f'temperature must be >= 0, got {self.temperature}')
+        if self.rtc_beta < 0:
+            raise ValueError(f'rtc_beta must be >= 0, got {self.rtc_beta}')
         if self.device.startswith('cuda') and not torch.cuda.is_available():
             raise ValueError(f'device {self.device!r} asked for but CUDA is not available')
 
@@ -173,6 +178,8 @@ class Engine:
         self._blank = torch.zeros(3, size, size)
         self._recent = collections.deque(maxlen=200)  # (wall time, frame ms, tokens)
         self.frames = 0
+        self._last: torch.Tensor | None = None  # the last chunk, model space (for RTC)
+        self.guided = 0
 
     # -- what the checkpoint states (the node checks the robot against these) -------------
 
@@ -275,6 +282,16 @@ class Engine:
             tokens=tokens, token_mask=mask,
             noise=noise.to(self.device, dtype))
 
+    def actions_in(self, actions: np.ndarray) -> torch.Tensor:
+        """The inverse of actions_out: the robot's dims, unnormalised -> model space, zero
+        past the robot's dims."""
+        a = np.asarray(actions, dtype=np.float64)
+        if self.norm is not None:
+            a = self.norm.normalize_actions(a)
+        out = torch.zeros(a.shape[0], self.model_action_dim)
+        out[:, :a.shape[1]] = torch.from_numpy(np.asarray(a, dtype=np.float32))
+        return out
+
     def actions_out(self, actions: torch.Tensor) -> np.ndarray:
         """Model actions -> the robot's dims, unnormalised (cut first, as LeRobot does;
         openpi's unnormalisation leaves dims past its stats alone, so the order is moot)."""
@@ -286,18 +303,22 @@ class Engine:
     # -- one frame -------------------------------------------------------------------------
 
     def step(self, obs: Observation, narrate: bool = False, on_actions=None,
-             max_new_tokens: int | None = None, noise: np.ndarray | None = None) -> FrameResult:
+             max_new_tokens: int | None = None, noise: np.ndarray | None = None,
+             handover: Handover | None = None) -> FrameResult:
         """Run one frame. ``on_actions`` gets the chunk as soon as it exists, before language.
 
         ``narrate`` starts a language request from this frame's prefill; ``max_new_tokens``
         caps it below the configured maximum (the KV rows are sized for that maximum).
         ``noise`` [action_horizon, model_action_dim] replaces the seeded draw (which is then
-        not advanced), to reproduce another implementation's sample.
+        not advanced), to reproduce another implementation's sample. With ``rtc`` on,
+        ``handover`` says where this chunk joins the previous one (the last this engine
+        returned), and the chunk is sampled to continue it.
         """
         limit = self.cfg.max_new_tokens
         if max_new_tokens is not None and not 1 <= max_new_tokens <= limit:
             raise ValueError(f'max_new_tokens must be in [1, {limit}], got {max_new_tokens}')
         f = self.frame(obs, noise)
+        f.guide = self._guide(handover)
         request = None
         if narrate:
             request = Request(stamp=obs.stamp, prompt=obs.prompt,
@@ -310,6 +331,9 @@ class Engine:
             def hook(a):
                 on_actions(self.actions_out(a))
         out = self.scheduler.step(f, request, hook)
+        # Cloned out of inference mode: the next frame's guidance differentiates near it.
+        self._last = out.actions.clone()
+        self.guided += f.guide is not None
         result = FrameResult(stamp=obs.stamp, actions=self.actions_out(out.actions),
                              timing=out.timing)
         result.events = self._events(out)
@@ -319,6 +343,26 @@ class Engine:
         self.frames += 1
         self._recent.append((time.monotonic(), out.timing['frame_ms'], len(out.tokens)))
         return result
+
+    def _guide(self, handover: Handover | None) -> Guide | None:
+        if not self.cfg.rtc or handover is None or self._last is None:
+            return None
+        if handover.start < 0 or handover.delay < 0:
+            raise ValueError(f'handover steps must be >= 0, got {handover}')
+        h = self.action_horizon
+        if handover.start >= h:
+            return None  # the previous chunk has run out: there is nothing to join
+        # Past the overlap there is nothing to freeze to.
+        delay = min(handover.delay, h - handover.start)
+        if handover.previous is None:
+            return Guide.make(self._last, handover.start, delay, self.cfg.rtc_beta,
+                              columns=self.action_dim)
+        prev = np.asarray(handover.previous, dtype=np.float64)
+        if prev.ndim != 2 or prev.shape[0] != h or not 1 <= prev.shape[1] <= self.action_dim:
+            raise ValueError(f'handover.previous must be [{h}, <= {self.action_dim}], '
+                             f'got {prev.shape}')
+        return Guide.make(self.actions_in(prev), handover.start, delay, self.cfg.rtc_beta,
+                          columns=prev.shape[1])
 
     def _events(self, out) -> list[TokenEvent]:
         events = []
@@ -359,6 +403,7 @@ class Engine:
             kv_bytes=self.cache.total_bytes,
             kv_bytes_per_slot=self.cache.bytes_per_slot,
             deadline_misses=s.deadline_misses,
+            rtc_frames=self.guided,
             rejected_requests=s.rejected,
             dropped_requests=s.dropped,
         )

@@ -31,6 +31,7 @@ from .gemma import (
     time_embedding,
 )
 from .kv import KV
+from .rtc import Guide
 from .siglip import Siglip
 
 # Kept in fp32 when the rest runs in bf16: embeddings of pixels, every Gemma norm (the
@@ -300,16 +301,27 @@ class Pi05(nn.Module):
                                      gate.to(self.dtype).unbind(0), strict=True)))
         return [list(m) for m in zip(*per_norm, strict=True)]
 
-    @torch.no_grad()
     def denoise(self, kv: KV, rows: slice, noise: torch.Tensor, steps: int = 10,
-                cols: int | None = None, trace: list | None = None) -> torch.Tensor:
+                cols: int | None = None, trace: list | None = None,
+                guide: Guide | None = None) -> torch.Tensor:
         """Flow-matching sampling from noise [B, horizon, action_dim] -> fp32 actions.
 
         Reads the prefix keys/values of ``rows`` in place and writes nothing, so it must see
         the rows as prefill left them (before any decoded token). ``cols`` fixes the number
         of key columns read (default: the rows' longest length) for static shapes. With a
-        list as ``trace`` the velocity of every step is appended to it.
+        list as ``trace`` the velocity of every step is appended to it. A ``guide`` (rtc.py)
+        steers the sample towards the chunk being executed (real-time chunking).
         """
+        if guide is None:
+            with torch.no_grad():
+                return self._denoise(kv, rows, noise, steps, cols, trace, None)
+        # The guidance differentiates through the expert: leave inference mode (callers run
+        # in it) so that the tensors built here can be saved for the backward pass. The
+        # prefix keys/values are views of the cache, which autograd may save as they are.
+        with torch.inference_mode(False), torch.no_grad():
+            return guide.finish(self._denoise(kv, rows, noise, steps, cols, trace, guide))
+
+    def _denoise(self, kv, rows, noise, steps, cols, trace, guide):
         e = self.cfg.expert
         dev = self.device
         b, t, _ = noise.shape
@@ -328,7 +340,11 @@ class Pi05(nn.Module):
 
         x = noise.to(dev, torch.float32)
         for step in range(len(times)):
-            v = self._velocity(x, mods[step], prefix, bias, cos, sin, lp)
+            if guide is None:
+                v = self._velocity(x, mods[step], prefix, bias, cos, sin, lp)
+            else:
+                v = guide.velocity(x, times[step], lambda y, m=mods[step]: self._velocity(
+                    y, m, prefix, bias, cos, sin, lp))
             if trace is not None:
                 trace.append(v)
             x = x + dtime * v
