@@ -268,6 +268,7 @@ class Engine:
             for r in asks:
                 r.stamp = obs.stamp
             out = self.scheduler.step(f, asks + ([narration] if narration else []), hook)
+            events = self._events(out)
         except BaseException:
             with self._lock:
                 # The failed frame started none of its questions that are not running: the
@@ -279,11 +280,11 @@ class Engine:
             raise
         with self._lock:
             self._cancel_requested()
-            ended, self._ended = self._ended, []
+            events += [self._final(r) for r in self._ended]
+            self._ended = []
             self._owner.release()
         result = FrameResult(stamp=obs.stamp, actions=self.actions_out(out.actions),
-                             timing=out.timing)
-        result.events = self._events(out) + [self._final(r) for r in ended]
+                             timing=out.timing, events=events)
         if narration is not None and narration.reason == 'rejected':
             result.rejected = (f'narration request of frame {obs.stamp:.3f} rejected: all '
                                f'{self.cache.max_requests} KV slots are busy')
@@ -346,9 +347,9 @@ class Engine:
                 return []
         try:
             r = self.scheduler.cancel(request_id)
+            return [self._final(r)] if r is not None else []
         finally:
             self._owner.release()
-        return [self._final(r)] if r is not None else []
 
     def _cancel_requested(self) -> None:
         """Cancels asked for during a frame; the caller owns the scheduler and holds _lock."""
@@ -393,9 +394,9 @@ class Engine:
                 ended.append(r)
             self._inbox, self._ended = [], []
             self._cancels.clear()
-        for r in ended:
-            r.note = r.note or 'every request cancelled'
-        return [self._final(r) for r in ended]
+            for r in ended:
+                r.note = r.note or 'every request cancelled'
+            return [self._final(r) for r in ended]
 
     def stats(self) -> dict:
         ms = np.array([m for _, m, _ in self._recent]) if self._recent else np.zeros(1)
