@@ -44,7 +44,7 @@ class EngineConfig:
     frame_budget_ms: float = 0.0  # 0 = action_horizon / control_rate_hz
     max_requests: int = 8
     max_new_tokens: int = 30
-    max_question_tokens: int = 32  # KV columns per row for a question's own tokens
+    max_question_tokens: int = 48  # KV columns per row for a question's own tokens
     admission: str = 'drop_oldest'
     max_pending: int = 4
     temperature: float = 0.0
