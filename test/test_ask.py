@@ -26,7 +26,7 @@ def tokenizer():
 
 def make(model, tokenizer, **kw):
     cfg = dict(model='tiny', decode_k=1, max_requests=2, max_new_tokens=5, stop_at_eos=False,
-               prompt_format='subtask', admission='reject_newest')
+               prompt_format='subtask', admission='reject_newest', max_question_tokens=48)
     cfg.update(kw)
     engine = Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)
     asks = Asks()

@@ -39,7 +39,8 @@ class Robot:
         self.node = rclpy.create_node('oxygen_node', context=self.context)
         self.engine = Engine(EngineConfig(
             model='tiny', threads=1, decode_k=1, max_requests=ROWS, max_new_tokens=40,
-            stop_at_eos=False, prompt_format='subtask', admission='reject_newest'))
+            stop_at_eos=False, prompt_format='subtask', admission='reject_newest',
+            max_question_tokens=48))
         self.asks = Asks()
         self.asks.activate(self.engine)
         self.server = AskServer(self.node, self.asks)

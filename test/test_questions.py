@@ -47,7 +47,8 @@ def tokenizer():
 
 def make_engine(model, tokenizer, **kw):
     cfg = dict(model='tiny', mode='oxygen', decode_k=2, max_requests=4, max_new_tokens=6,
-               stop_at_eos=False, prompt_format='subtask', seed=7, admission='reject_newest')
+               stop_at_eos=False, prompt_format='subtask', seed=7, admission='reject_newest',
+               max_question_tokens=48)
     cfg.update(kw)
     return Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)
 
@@ -345,6 +346,8 @@ def test_bad_questions_are_refused_at_once(model, tokenizer):
         eng.ask('why?', prompt_format='Q: A:')
     with pytest.raises(ValueError, match='at most 8 fit'):
         eng.ask('pick up the red cup and place it in the bowl on the left please')
+    with pytest.raises(ValueError, match='takes no questions'):
+        make_engine(model, tokenizer, max_question_tokens=0).ask('why?')
     # A format of its own: the tokens that go after the prefix are exactly its text.
     rid = eng.ask('why?', prompt_format='{question}')
     assert eng._inbox[-1].extension == tokenizer.encode('why?', bos=False)

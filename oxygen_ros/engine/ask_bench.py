@@ -127,7 +127,8 @@ def main(argv=None) -> dict:
     rows = -(-args.T // args.k) + 1 + max(args.in_flight)
     cfg = EngineConfig(model=args.config, device=args.device, decode_k=args.k,
                        max_requests=rows, max_new_tokens=args.T, stop_at_eos=False,
-                       prompt_format='subtask', admission='reject_newest')
+                       prompt_format='subtask', admission='reject_newest',
+                       max_question_tokens=48)
 
     costs = {q: question_costs(Engine(cfg, model=model, tokenizer=tok), q, args.repeats)
              for q in (QUESTIONS[0], ' '.join(['cup'] * 30))}

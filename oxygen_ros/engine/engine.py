@@ -2,7 +2,9 @@
 
 It owns the model, the tokenizer, the KV cache and the scheduler, and turns an
 ``Observation`` (images by model slot, state, prompt) into model tensors and the
-scheduler's output back into numbers and text. Nothing here knows about ROS.
+scheduler's output back into numbers and text. Questions (``ask``) may come from any
+thread: they wait for the next frame, which starts them from its own prefill. Nothing here
+knows about ROS.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ class EngineConfig:
     frame_budget_ms: float = 0.0  # 0 = action_horizon / control_rate_hz
     max_requests: int = 8
     max_new_tokens: int = 30
-    max_question_tokens: int = 48  # KV columns per row for a question's own tokens
+    # KV columns per row for a question's own tokens; 0 = no questions (rows as small as
+    # narration needs).
+    max_question_tokens: int = 0
     admission: str = 'drop_oldest'
     max_pending: int = 4
     temperature: float = 0.0
@@ -315,6 +319,8 @@ class Engine:
             raise ValueError(f'prompt_format must hold {{question}} exactly once, got {fmt!r}')
         tokens = self.tokenizer.encode(fmt.replace('{question}', question), bos=False)
         room = self.cfg.max_question_tokens
+        if room == 0:
+            raise ValueError('this engine takes no questions (max_question_tokens is 0)')
         if len(tokens) > room:
             raise ValueError(f'the question takes {len(tokens)} tokens; at most {room} fit '
                              f'(max_question_tokens)')
