@@ -74,6 +74,7 @@ class Robot:
         self._stop.set()
         self.threads[1].join(10)
         self.ex.shutdown()
+        self.threads[0].join(10)
         self.server.destroy()
         self.node.destroy_node()
         rclpy.shutdown(context=self.context)
@@ -89,20 +90,31 @@ class Caller:
         self.client = ActionClient(self.node, Ask, '/oxygen_node/ask')
         self.ex = SingleThreadedExecutor(context=self.context)
         self.ex.add_node(self.node)
-        threading.Thread(target=self.ex.spin, daemon=True).start()
+        self.spinner = threading.Thread(target=self.ex.spin, daemon=True)
+        self.spinner.start()
         assert self.client.wait_for_server(timeout_sec=30)
 
     def send(self, question, budget=0):
-        feedback = []
-        sent = self.client.send_goal_async(
-            Ask.Goal(question=question, max_new_tokens=budget),
-            feedback_callback=lambda m: feedback.append(m.feedback))
-        handle = wait(sent, 30)
-        assert handle.accepted
-        return Goal(handle, feedback, handle.get_result_async())
+        return self.send_all([question], budget)[0]
+
+    def send_all(self, questions, budget):
+        """All sent before any is waited for, so they reach the node together."""
+        sent = []
+        for q in questions:
+            feedback = []
+            sent.append((self.client.send_goal_async(
+                Ask.Goal(question=q, max_new_tokens=budget),
+                feedback_callback=lambda m, f=feedback: f.append(m.feedback)), feedback))
+        goals = []
+        for future, feedback in sent:
+            handle = wait(future, 30)
+            assert handle.accepted
+            goals.append(Goal(handle, feedback, handle.get_result_async()))
+        return goals
 
     def close(self):
         self.ex.shutdown()
+        self.spinner.join(10)
         self.client.destroy()
         self.node.destroy_node()
         rclpy.shutdown(context=self.context)
@@ -204,7 +216,7 @@ def test_cancel_mid_stream_frees_the_row(robot, caller):
 
 
 def test_a_flood_gets_reasons_not_silence(robot, caller):
-    goals = [caller.send(f'question {i}?', 10) for i in range(5)]
+    goals = caller.send_all([f'question {i}?' for i in range(5)], 20)
     results = [g.result() for g in goals]
     ok = [r for s, r in results if s == GoalStatus.STATUS_SUCCEEDED]
     refused = [r for s, r in results if s == GoalStatus.STATUS_ABORTED]
