@@ -27,6 +27,25 @@ class Profile:
         predicted from. Returns [H, action_dim] targets in robot units."""
         raise NotImplementedError
 
+    def rebase(self, actions: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """A chunk of model actions predicted at state `old`, expressed for a frame observed
+        at state `new`: the numbers that command the same targets from there. Real-time
+        chunking guides the next chunk towards the one being executed in these terms.
+        Absolute actions are the same numbers anywhere."""
+        self._state(old)
+        self._state(new)
+        return self._actions(actions)
+
+    def reanchor(
+        self, actions: np.ndarray, measured: np.ndarray, first: int
+    ) -> np.ndarray | None:
+        """Targets [H - first, action_dim] for actions first..H-1 of a chunk, recomputed
+        from `measured` (the raw robot state read when action `first` starts), or None when
+        this profile's targets do not depend on where the robot is: then the chunk's targets
+        from decode_actions stand. None or not is fixed by the profile's options, so one
+        call tells a caller whether to re-anchor a profile's chunks at all."""
+        return None
+
     def _state(self, state: np.ndarray) -> np.ndarray:
         s = np.asarray(state, dtype=np.float64)
         if s.shape != (self.state_dim,):
@@ -149,6 +168,15 @@ class Aloha(Profile):
             s[ALOHA_GRIPPERS] = gripper_to_angular(s[ALOHA_GRIPPERS])
         return s
 
+    def rebase(self, actions: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        a = self._actions(actions)
+        if self.delta:
+            a[:, ALOHA_ARMS] += (self.encode_state(old) - self.encode_state(new))[ALOHA_ARMS]
+        else:
+            self._state(old)
+            self._state(new)
+        return a
+
     def decode_actions(self, actions: np.ndarray, state: np.ndarray) -> np.ndarray:
         a = self._actions(actions)
         if self.delta:
@@ -169,14 +197,24 @@ class Aloha(Profile):
 class Droid(Profile):
     """Franka + Robotiq as in DROID: 7 joint positions + gripper (0 open .. 1 closed).
 
-    pi05_droid predicts 7 joint velocities in [-1, 1] plus a gripper position. DROID's
-    controller runs at 15 Hz and turns a velocity v into the target q + 0.2 * v for the
-    next step, so a chunk is integrated open loop from the observed joints:
-    target_i = q + velocity_scale * sum_{j <= i} v_j. velocity=False reads the joint
-    dims as absolute positions instead (joint-position checkpoints).
+    pi05_droid predicts 7 joint velocities plus a gripper position. openpi's DROID client
+    clips each command to [-1, 1] and binarises the gripper (binarize_gripper, 1 above 0.5
+    else 0); DROID's controller runs
+    at 15 Hz and turns a velocity v into the target q + 0.2 * v from the joints q measured
+    as that step starts. decode_actions integrates a chunk from the observed joints,
+    target_i = q + velocity_scale * sum_{j <= i} v_j, which is DROID's target only while the
+    arm reaches every one; reanchor redoes it from the joints measured when step i starts,
+    giving DROID's q_measured + 0.2 * v_i (open_loop=True keeps the integrated targets).
+
+    clip_velocities=False leaves out the client's clipping and applies DROID's own limit
+    instead (a velocity whose largest component exceeds 1 is scaled down as a whole).
+
+    velocity=False reads the joint dims as positions (openpi's joint-position DROID
+    configs): absolute, or with delta=True relative to the observed joints, as those
+    configs train them (the gripper stays absolute).
 
     gripper_open/gripper_closed map the robot's gripper reading (e.g. a Robotiq knuckle
-    angle) to DROID's [0, 1] and back; the defaults assume it is already in [0, 1].
+    angle) linearly to DROID's [0, 1] and back; the defaults assume it is already in [0, 1].
     """
 
     name = "droid"
@@ -190,14 +228,22 @@ class Droid(Profile):
         gripper_open: float = 0.0,
         gripper_closed: float = 1.0,
         binarize_gripper: bool = False,
+        clip_velocities: bool = True,
+        open_loop: bool = False,
+        delta: bool = False,
     ):
         if gripper_open == gripper_closed:
             raise ValueError("gripper_open and gripper_closed must differ")
+        if velocity and delta:
+            raise ValueError("delta is for joint-position checkpoints: set velocity: false")
         self.velocity = velocity
         self.velocity_scale = velocity_scale
         self.gripper_open = gripper_open
         self.gripper_closed = gripper_closed
         self.binarize_gripper = binarize_gripper
+        self.clip_velocities = clip_velocities
+        self.open_loop = open_loop
+        self.delta = delta
 
     @staticmethod
     def joints(
@@ -213,15 +259,46 @@ class Droid(Profile):
     def decode_actions(self, actions: np.ndarray, state: np.ndarray) -> np.ndarray:
         a = self._actions(actions)
         q = self._state(state)[:7]
+        if not np.all(np.isfinite(a)):
+            # Binarising would turn a NaN gripper into a valid-looking 0.
+            raise ValueError(f"{self.name}: non-finite actions")
         if self.velocity:
-            # DROID's client clips to [-1, 1] before stepping the robot.
-            v = np.clip(a[:, :7], -1.0, 1.0)
-            a[:, :7] = q + self.velocity_scale * np.cumsum(v, axis=0)
+            a[:, :7] = q + np.cumsum(self._joint_steps(a[:, :7]), axis=0)
+        elif self.delta:
+            a[:, :7] += q
         g = np.clip(a[:, 7], 0.0, 1.0)
         if self.binarize_gripper:
             g = (g > 0.5).astype(np.float64)
         a[:, 7] = _unnormalize(g, self.gripper_open, self.gripper_closed)
         return a
+
+    def rebase(self, actions: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        # Velocities (re-anchored or not) and absolute positions mean the same anywhere.
+        a = self._actions(actions)
+        q0, q1 = self._state(old)[:7], self._state(new)[:7]
+        if self.delta:
+            a[:, :7] += q0 - q1
+        return a
+
+    def reanchor(
+        self, actions: np.ndarray, measured: np.ndarray, first: int
+    ) -> np.ndarray | None:
+        if not self.velocity or self.open_loop:
+            return None
+        a = self._actions(actions)
+        if not 0 <= first <= len(a):
+            raise ValueError(f"{self.name}: first action {first} outside a {len(a)}-action chunk")
+        # The rest of the chunk integrated from where the arm is now: DROID's target for the
+        # step now starting, and the same extension as decode_actions beyond it.
+        return self.decode_actions(a[first:], measured)
+
+    def _joint_steps(self, v: np.ndarray) -> np.ndarray:
+        """Joint change per 1/15 s step for velocity commands v [n, 7]."""
+        if self.clip_velocities:
+            v = np.clip(v, -1.0, 1.0)
+        else:
+            v = v / np.abs(v).max(axis=1, keepdims=True, initial=1.0)
+        return self.velocity_scale * v
 
 
 def make_profile(name: str, **kw) -> Profile:

@@ -36,6 +36,8 @@ PARAMS = {
     'camera_rate_hz': (30.0, 'image rate per camera'),
     'joint_rate_hz': (100.0, 'joint state rate per topic'),
     'follow_time_s': (0.05, 'time constant of the joints following their targets'),
+    'max_joint_speed': (0.0, 'per joint, units/s; > 0 makes the arm lag behind targets that '
+                        'move faster (on purpose, to test that); 0 = no limit'),
     'initial_positions': ([], 'joint positions at start, in state order; default zeros'),
     'narration_topic': ('oxygen_node/narration/text', 'final narration texts to log'),
     'report_every_s': (5.0, 'how often to log the received trajectory rate'),
@@ -70,6 +72,8 @@ class SimRobot(Node):
                                  f'for {len(self.joints)} joints')
             self.q[:] = p['initial_positions']
         self.target = self.q.copy()
+        if p['max_joint_speed'] < 0:
+            raise ValueError(f'max_joint_speed must be >= 0, got {p["max_joint_speed"]}')
 
         cams = p['cameras']
         topics = p['camera_topics'] or [f'{c}/image_raw' for c in cams]
@@ -148,7 +152,8 @@ class SimRobot(Node):
         for st in self.groups.values():
             if st['times'] is not None:
                 self.target[st['indices']] = self._targets(st, now)
-        self.q += (self.target - self.q) * min(1.0, dt / max(self.p['follow_time_s'], 1e-3))
+        self.q = follow(self.q, self.target, dt, self.p['follow_time_s'],
+                        self.p['max_joint_speed'])
         stamp = self.get_clock().now().to_msg()
         for src, pub in self.joint_pubs.items():
             msg = JointState()
@@ -192,6 +197,15 @@ class SimRobot(Node):
         self.get_logger().info('trajectories received: ' + ', '.join(parts))
 
 
+def follow(q, target, dt, time_constant, max_speed):
+    """The joints after dt s of moving toward their targets: first order with
+    time_constant, and no faster than max_speed per second (0: no limit)."""
+    step = (target - q) * min(1.0, dt / max(time_constant, 1e-3))
+    if max_speed > 0:
+        step = np.clip(step, -max_speed * dt, max_speed * dt)
+    return q + step
+
+
 def _encode(rgb: np.ndarray, encoding: str) -> np.ndarray:
     if encoding == 'rgb8':
         return rgb
@@ -215,12 +229,12 @@ def main(args=None):
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
-    except Exception:
-        if rclpy.ok():  # else: a signal shut the context down under the executor
-            raise
     except ValueError as e:
         print(f'[oxygen_sim_robot] error: {e}', file=sys.stderr, flush=True)
         sys.exit(1)
+    except Exception:
+        if rclpy.ok():  # else: a signal shut the context down under the executor
+            raise
     finally:
         if node is not None:
             node.destroy_node()

@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from oxygen_ros.model.checkpoint import (
     config_from_json,
     expected_shapes,
     infer_config,
+    open_checkpoint,
 )
 
 torch.set_num_threads(2)
@@ -172,7 +174,7 @@ def test_openpi_config_json_and_bf16(saved, tmp_path):
                 precision="bfloat16")
     (dst / "config.json").write_text(json.dumps(meta))
     # openpi's config names no vision dims; SigLIP's head count is known only for So400m.
-    with pytest.raises(CheckpointError, match="pass cfg"):
+    with pytest.raises(CheckpointError, match="give the dims as a model config"):
         load_checkpoint(dst)
     loaded, _, info = load_checkpoint(dst, cfg=model.cfg, dtype=torch.bfloat16)
     assert info["precision"] == "bfloat16"
@@ -341,3 +343,77 @@ def test_siglip_and_projector_by_hand_from_openpi_names(saved):
         x = x + _lin(t, p + "mlp.fc2", hn)
     x = _lin(t, PG + "model.multi_modal_projector.linear", ln(VIT + "post_layernorm", x))
     torch.testing.assert_close(model.embed_images(images), x, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- open_checkpoint
+
+OPENPI_STATS = {"state": {"q01": [-1.0, 0.0, 2.0], "q99": [1.0, 2.0, 4.0],
+                          "mean": [0.0] * 3, "std": [1.0] * 3},
+                "actions": {"q01": [0.0, -1.0, 5.0, -2.0, 0.0], "q99": [1.0, 1.0, 9.0, 2.0, 4.0],
+                            "mean": [0.0] * 5, "std": [1.0] * 5}}
+
+
+def openpi_dir(tmp_path, stats=OPENPI_STATS, **overrides):
+    cfg = load_config("tiny", **overrides)
+    torch.manual_seed(0)
+    return save_checkpoint(Pi05(cfg).to_inference("cpu"), tmp_path / "openpi", stats,
+                           asset_id="trossen")
+
+
+def test_openpi_directory_facts(tmp_path):
+    ck = open_checkpoint(openpi_dir(tmp_path))
+    assert (ck.layout, ck.conventions, ck.model.cfg.time_grid) == ("openpi", "openpi", "openpi")
+    # openpi's stats hold the robot's dims (its robot transforms pad nothing)
+    assert (ck.state_dim, ck.action_dim) == (3, 5)
+    assert (ck.horizon, ck.n_action_steps, ck.denoise_steps) == (4, 4, None)
+    assert ck.slots == load_config("tiny").image_slots and ck.info["asset_id"] == "trossen"
+    assert ck.norm.modes == {"state": "QUANTILES", "actions": "QUANTILES"}
+    x = ck.norm.normalize_state(np.array([0.5, 1.0, 2.0], np.float32))
+    np.testing.assert_allclose(x, [1.5 / (2 + 1e-6) * 2 - 1, 1 / (2 + 1e-6) * 2 - 1, -1.0])
+    lerobot = open_checkpoint(openpi_dir(tmp_path / "b"), conventions="lerobot")
+    assert lerobot.conventions == lerobot.norm.conventions == "lerobot"
+    assert lerobot.model.cfg.time_grid == "lerobot"
+
+
+def test_engine_on_an_openpi_directory_cuts_to_the_robot_dims(tmp_path):
+    from oxygen_ros.engine import Engine, EngineConfig, Observation
+    eng = Engine(EngineConfig(checkpoint=str(openpi_dir(tmp_path)), seed=0, max_requests=1,
+                              max_new_tokens=2))
+    assert (eng.state_dim, eng.action_dim, eng.model_action_dim) == (3, 5, 8)
+    noise = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    obs = Observation(0.0, {}, np.array([0.5, 1.0, 2.5], np.float32), "wave")
+    got = eng.step(obs, noise=noise).actions
+    raw = Engine(EngineConfig(checkpoint=str(openpi_dir(tmp_path / "b")), seed=0,
+                              max_requests=1, max_new_tokens=2, normalize=False,
+                              prompt_format="pi05"))
+    assert raw.action_dim == 8 and raw.state_dim is None  # no stats: the model's width
+    assert got.shape == (4, 5)
+    with pytest.raises(ValueError, match="state has 4 dims; the checkpoint expects 3"):
+        eng.step(Observation(0.0, {}, np.zeros(4, np.float32), "wave"))
+
+
+def test_missing_norm_stats_fail_loudly(tmp_path):
+    path = openpi_dir(tmp_path, stats=None)
+    with pytest.raises(CheckpointError, match=r"no normalisation stats \(looked for .*assets"):
+        open_checkpoint(path)
+    assert open_checkpoint(path, normalize=False).norm is None
+    with pytest.raises(CheckpointError, match="bare .safetensors"):
+        open_checkpoint(path / "model.safetensors", dims=load_config("tiny"))
+    ck = open_checkpoint(path / "model.safetensors", dims=load_config("tiny"), normalize=False)
+    assert ck.layout == "file" and ck.action_dim == 8
+
+
+def test_model_dims_with_the_checkpoints_horizon(tmp_path):
+    # a checkpoint whose config.json names variants its tensors do not have
+    path = openpi_dir(tmp_path, action_horizon=6, max_token_len=30)
+    meta = json.loads((path / "config.json").read_text())
+    del meta["oxygen"]
+    meta.update(paligemma_variant="gemma_2b", action_expert_variant="gemma_300m")
+    (path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError):
+        open_checkpoint(path)
+    ck = open_checkpoint(path, dims=load_config("tiny"))
+    assert (ck.model.cfg.action_horizon, ck.model.cfg.max_token_len) == (6, 30)
+    assert load_config("tiny").action_horizon == 4
+    with pytest.raises(CheckpointError, match="does not match config 'small'"):
+        open_checkpoint(path, dims=load_config("small"))

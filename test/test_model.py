@@ -249,6 +249,36 @@ def test_flow_times_accumulate_in_fp32():
     assert len(flow_times(3)[0]) == 3 and len(flow_times(1)[0]) == 1
 
 
+def test_flow_times_on_lerobots_grid():
+    times, dt = flow_times(10, "lerobot")
+    # 1 + k * (-0.1) in float64, each rounded to fp32: 0.8 is not 0.79999995 here
+    assert times == [float(np.float32(1.0 + k * -0.1)) for k in range(10)]
+    assert times[2] == float(np.float32(0.8)) != flow_times(10)[0][2]
+    assert dt == float(np.float32(-0.1))
+    with pytest.raises(ValueError, match="time grid"):
+        flow_times(10, "jax")
+
+
+def test_denoise_follows_the_configured_time_grid():
+    model = make_model()
+    lerobot = make_model(time_grid="lerobot")
+    cfg = model.cfg
+    obs = observation(cfg, MASKS[:2], LENGTHS[:2])
+    noise = torch.randn(2, cfg.action_horizon, cfg.action_dim, generator=torch.Generator()
+                        .manual_seed(4))
+    out = []
+    for m in (model, lerobot):
+        kv = KV.allocate(cfg, 2, cfg.prefix_len)
+        m.prefill(*obs, kv, slice(0, 2))
+        trace: list = []
+        out.append(m.denoise(kv, slice(0, 2), noise, steps=5, trace=trace))
+        x = noise
+        for t, v in zip(flow_times(5, m.cfg.time_grid)[0], trace, strict=True):
+            torch.testing.assert_close(v, m.forward_full(*obs, x, t), atol=2e-5, rtol=1e-5)
+            x = x + flow_times(5)[1] * v
+    assert not torch.equal(out[0], out[1])
+
+
 def test_bfloat16_keeps_norms_and_embeddings_fp32():
     model = make_model()
     cfg = model.cfg

@@ -6,10 +6,11 @@ import torch
 
 from oxygen_ros.model.processing import (
     NormStats,
+    Stats,
     find_norm_stats,
-    pad_to,
     prepare_image,
     resize_with_pad,
+    resize_with_pad_float,
     to_model_image,
 )
 
@@ -102,12 +103,6 @@ def test_to_model_image_rejects_gray():
         to_model_image(np.zeros((4, 4, 1), dtype=np.uint8))
 
 
-def test_pad_to():
-    assert pad_to(np.array([1.0, 2.0]), 4).tolist() == [1.0, 2.0, 0.0, 0.0]
-    assert pad_to(np.ones((2, 3)), 5).tolist() == [[1, 1, 1, 0, 0]] * 2
-    assert pad_to(np.arange(5), 3).tolist() == [0, 1, 2]
-
-
 STATS = {
     "norm_stats": {
         "state": {"mean": [1.0, 2.0], "std": [2.0, 4.0], "q01": [0.0, -1.0], "q99": [2.0, 1.0]},
@@ -165,7 +160,7 @@ def test_round_trip():
 def test_from_json_and_errors(tmp_path):
     path = tmp_path / "norm_stats.json"
     path.write_text(json.dumps(STATS))
-    assert NormStats.from_json(path).state.q99.tolist() == [2.0, 1.0]
+    assert NormStats.from_json(path).state.values["q99"].tolist() == [2.0, 1.0]
     assert NormStats.from_dict(STATS["norm_stats"]).actions.dim == 3
     no_q = {"state": {"mean": [0], "std": [1]}, "actions": {"mean": [0], "std": [1]}}
     with pytest.raises(ValueError, match="q01"):
@@ -195,3 +190,89 @@ def test_find_norm_stats(tmp_path):
     assert find_norm_stats(tmp_path, "droid") == droid
     with pytest.raises(FileNotFoundError):
         find_norm_stats(tmp_path, "libero")
+
+
+# --------------------------------------------------------------------------- LeRobot's ways
+
+
+def test_lerobot_resize_upsamples_bilinearly_and_pads_with_zero():
+    row = np.array([[[0, 0, 0], [255, 255, 255]]], dtype=np.uint8)  # 1 x 2
+    out = resize_with_pad_float(row, 4, 4)  # scale 2 -> 2 x 4, one zero row above and below
+    assert out.shape == (3, 4, 4) and out.dtype == torch.float32
+    # align_corners=False: output x samples input (x + 0.5) / 2 - 0.5, clamped to the edges
+    expected = torch.tensor([0.0, 0.25, 0.75, 1.0])
+    for c in range(3):
+        assert torch.equal(out[c, 1], expected) and torch.equal(out[c, 2], expected)
+        assert torch.equal(out[c, 0], torch.zeros(4)) and torch.equal(out[c, 3], torch.zeros(4))
+
+
+def test_lerobot_resize_shrinks_without_antialias():
+    img = np.zeros((2, 4, 3), dtype=np.uint8)
+    img[:, :, 0] = [[0, 40, 80, 200]] * 2
+    out = resize_with_pad_float(img, 2, 2)  # scale 1/2 -> 1 x 2, padded to 2 x 2 (bottom)
+    # plain bilinear at half size averages neighbour pairs; antialias would spread wider
+    assert out[0, 0].tolist() == pytest.approx([20 / 255, 140 / 255], abs=1e-7)
+    assert out[0, 1].tolist() == [0.0, 0.0]
+    openpi = prepare_image(img, 2, 2)[0, 0]
+    lerobot = prepare_image(img, 2, 2, "lerobot")[0, 0]
+    assert lerobot.tolist() == pytest.approx([20 / 255 * 2 - 1, 140 / 255 * 2 - 1], abs=1e-6)
+    assert not torch.allclose(openpi, lerobot, atol=1e-2)
+    with pytest.raises(ValueError, match="conventions"):
+        prepare_image(img, 2, 2, "jax")
+
+
+STATE = {"mean": [1.0, -2.0], "std": [2.0, 0.5], "q01": [-1.0, 0.0], "q99": [3.0, 0.0],
+         "q10": [0.0, -1.0], "q90": [2.0, 1.0], "min": [-3.0, 5.0], "max": [5.0, 5.0]}
+
+
+def lerobot(mode):
+    return NormStats(Stats.from_dict(STATE, mode), Stats.from_dict(STATE, mode), "lerobot",
+                     eps=1e-8)
+
+
+def test_lerobot_modes_by_hand():
+    x = np.array([2.0, 0.25], np.float32)
+    eps = np.float32(1e-8)
+    cases = {
+        # LeRobot's eps only replaces a zero span (q99 == q01 in dim 1)
+        "QUANTILES": [2 * (2 + 1) / 4 - 1, 2 * 0.25 / eps - 1],
+        "QUANTILE10": [2 * 2 / 2 - 1, 2 * 1.25 / 2 - 1],
+        "MEAN_STD": [(2 - 1) / (2 + 1e-8), (0.25 + 2) / (0.5 + 1e-8)],
+        "MIN_MAX": [2 * 5 / 8 - 1, 2 * (0.25 - 5) / eps - 1],
+        "IDENTITY": [2.0, 0.25],
+    }
+    for mode, want in cases.items():
+        got = lerobot(mode).normalize_state(x)
+        assert got.dtype == np.float32, mode
+        np.testing.assert_allclose(got, np.float32(want), rtol=1e-6, err_msg=mode)
+
+
+def test_lerobot_unnormalise_by_hand():
+    a = np.array([[-1.0, 0.5]], np.float32)
+    np.testing.assert_allclose(lerobot("QUANTILES").unnormalize_actions(a),
+                               [[-1.0, (1.5 * 1e-8) / 2]], rtol=1e-6)
+    # MEAN_STD is undone without the eps it was normalised with, as LeRobot does
+    assert lerobot("MEAN_STD").unnormalize_actions(a).tolist() == [[-1.0, -1.75]]
+    np.testing.assert_allclose(lerobot("MIN_MAX").unnormalize_actions(a),
+                               [[-3.0, 1.5 / 2 * 1e-8 + 5.0]], rtol=1e-6)
+
+
+def test_lerobot_float32_moves_a_value_on_a_bin_edge():
+    # float32 arithmetic, as LeRobot does it, against openpi's float64 with its 1e-6
+    ns = NormStats(Stats.from_dict({"q01": [0.0], "q99": [3.0]}), Stats({}, "IDENTITY"),
+                   "lerobot")
+    op = NormStats(Stats.from_dict({"q01": [0.0], "q99": [3.0]}), Stats({}, "IDENTITY"))
+    x = np.array([1.5], np.float32)  # the middle: 0 exactly in float32, just below in openpi
+    assert ns.normalize_state(x)[0] == 0.0
+    assert op.normalize_state(x)[0] < 0.0
+
+
+def test_lerobot_needs_the_stats_dims():
+    with pytest.raises(ValueError, match="state has 3 dims but its stats 2"):
+        lerobot("QUANTILES").normalize_state(np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"MIN_MAX normalisation of state needs \['min', 'max'\]"):
+        Stats.from_dict({"mean": [0.0]}, "MIN_MAX", "state")
+    with pytest.raises(ValueError, match="mode"):
+        Stats.from_dict(STATE, "LOG")
+    with pytest.raises(ValueError, match="openpi normalises with QUANTILES or MEAN_STD"):
+        NormStats(Stats.from_dict(STATE, "MIN_MAX"), Stats({}, "IDENTITY"))

@@ -207,3 +207,36 @@ def test_readings():
     assert readings(["a", "b"], [1, 2]) == {"a": 1.0, "b": 2.0}
     with pytest.raises(ValueError, match="2 names but 1 positions"):
         readings(["a", "b"], [1])
+
+
+@pytest.mark.parametrize('profile', [
+    Identity(8), Aloha(), Aloha(delta=False), Aloha(adapt_to_pi=False),
+    Droid(), Droid(velocity=False), Droid(velocity=False, delta=True)],
+    ids=['identity', 'aloha', 'aloha-absolute', 'aloha-unadapted', 'droid', 'droid-position',
+         'droid-delta'])
+def test_rebase_commands_the_same_targets_from_the_new_state(profile):
+    # What real-time chunking relies on: the rebased chunk, decoded at the new state,
+    # commands what the old chunk commanded from the old state (the motion the robot is on).
+    rng = np.random.default_rng(3)
+    n = profile.state_dim
+    old, new = rng.uniform(-1, 1, n), rng.uniform(-1, 1, n)
+    if isinstance(profile, Aloha):
+        old[[6, 13]] = new[[6, 13]] = 0.03  # finger positions in metres
+    a = rng.uniform(-0.9, 0.9, (10, 32))
+    b = profile.rebase(a, old, new)
+    assert b.shape == (10, profile.action_dim)
+    if not isinstance(profile, Droid) or not profile.velocity:
+        np.testing.assert_allclose(profile.decode_actions(b, new),
+                                   profile.decode_actions(a, old), atol=1e-12)
+    if not getattr(profile, 'delta', False):
+        np.testing.assert_array_equal(b, a[:, :profile.action_dim])
+    with pytest.raises(ValueError):
+        profile.rebase(a, old[:-1], new)
+
+
+def test_rebase_keeps_droid_velocities():
+    # A velocity is a velocity wherever the arm is: the same numbers, so the executed
+    # (re-anchored) steps stay the same.
+    p = Droid()
+    a = np.random.default_rng(0).uniform(-1, 1, (15, 8))
+    np.testing.assert_array_equal(p.rebase(a, np.zeros(8), np.ones(8)), a)

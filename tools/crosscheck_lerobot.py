@@ -1,6 +1,6 @@
-"""Numerical cross-check of oxygen_ros.model against LeRobot's pi0.5 (PI05Pytorch).
+"""Numerical cross-check of oxygen_ros against LeRobot's pi0.5, model and saved policy.
 
-What it checks, on a tiny randomly initialised model (fp32, CPU, openpi's bidirectional prompt,
+Model level, on a tiny randomly initialised model (fp32, CPU, openpi's bidirectional prompt,
 a batch of 3 rows: all cameras / middle camera masked / only the middle camera, with prompts
 right-padded to different lengths, one not padded at all):
   1. checkpoint.py key mapping: LeRobot's state_dict, written to safetensors both in LeRobot's
@@ -19,24 +19,39 @@ right-padded to different lengths, one not padded at all):
      continuing from the valid prefix count): this checks the arithmetic, not the convention;
   5. sensitivity: a causal prompt, a masked camera treated as valid, and a zeroed adaRMS
      layer must each move the results well past the tolerances, so the check can fail.
+Policy level, as a user has it:
+  6. LeRobot builds a tiny random PI05Policy (chunk_size 16, n_action_steps 12, 8-d state,
+     7-d action, three cameras fed at 37x61, 80x50 and 56x56) and saves it with
+     policy.save_pretrained plus make_pi05_pre_post_processors(...).save_pretrained, once with
+     QUANTILES state and actions and once with MEAN_STD state and MIN_MAX actions, the stats
+     non-trivial; its config.json names gemma_2b / gemma_300m while the tensors are tiny.
+     LeRobot reloads the directory (PI05Policy.from_pretrained, PolicyProcessorPipeline.
+     from_pretrained) and runs preprocessor -> predict_action_chunk(noise) -> postprocessor on
+     a raw observation (uint8 images as float [0, 1] CxHxW, raw state with one value on a
+     bin edge, a task); Engine(EngineConfig(checkpoint=DIR, model=DIMS_YAML, tokenizer=SPM,
+     seed=0)).step(obs, noise=N) must give the same [16, 7] chunk within 1e-4, with all
+     cameras and with one missing, and openpi's conventions on the same directory must not.
 Not covered: bf16 (LeRobot 0.6 also keeps the whole vision tower in fp32, openpi and we only
-its patch/position embeddings), the "causal" prompt flavour itself (LeRobot has none), image
-preprocessing, tokenizer, normalisation, and real pi0.5 dims or weights.
+its patch/position embeddings), the "causal" prompt flavour itself (LeRobot has none), real
+pi0.5 dims or weights, relative actions and RTC (refused by the engine), and the tokenizer:
+LeRobot's TokenizerProcessorStep would fetch google/paligemma-3b-pt-224 from the hub, which
+is not reachable here, so it is handed the SentencePiece model the engine gets, called
+through SentencePiece itself.
 
-LeRobot's modelling code is used unmodified. Only its plumbing is bypassed: its model needs 8
-query heads (it hard-codes the attention reshape) and takes Gemma variants by name, so the
-tiny dims are injected by wrapping the constructors it calls; lerobot>=0.5 declares
-Python>=3.12 and some of its non-model modules use 3.12-only syntax, so its package
-__init__ files, config and policy base classes are replaced by stubs here and the modelling
-files (policies/pi_gemma.py, policies/pi05/modeling_pi05.py, policies/common/*) are imported
-directly, so neither torchvision nor the rest of LeRobot's dependencies are needed.
+LeRobot's code is used unmodified. Only its plumbing is bypassed: its model needs 8 query
+heads (it hard-codes the attention reshape) and takes Gemma variants by name, so the tiny
+dims are injected by wrapping the constructors it calls; lerobot.policies' __init__ (which
+imports every policy) is skipped; torchvision, which only LeRobot's training transforms use
+and whose PyPI build does not load against the CPU torch here, is a stub; and on Python 3.11
+(lerobot>=0.5 declares 3.12) the PEP 695 type-parameter lists of a few LeRobot modules, which
+only feed annotations, are rewritten at import into TypeVars and typing.Generic.
 
 Run it in a separate environment, never the project's venv:
     python3 -m venv /tmp/xcheck-venv
     /tmp/xcheck-venv/bin/pip install torch==2.13.0
     /tmp/xcheck-venv/bin/pip install --no-deps --ignore-requires-python lerobot==0.6.1
     /tmp/xcheck-venv/bin/pip install 'transformers==5.5.4' 'draccus>=0.11.6,<0.12' \
-        'torch==2.13.0'
+        'torch==2.13.0' sentencepiece einops gymnasium
     PYTHONPATH=/work/main OMP_NUM_THREADS=1 /tmp/xcheck-venv/bin/python \
         tools/crosscheck_lerobot.py
 (--no-deps also skips LeRobot's torch<2.12 pin; nothing used here depends on it. Checked with
@@ -46,7 +61,11 @@ Exits 0 when every difference is within its tolerance, 1 otherwise. Not a pytest
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import importlib.util
+import json
+import re
 import sys
 import tempfile
 import types
@@ -71,32 +90,72 @@ class _AnyModule(types.ModuleType):
         return cls
 
 
-def import_lerobot_pi05():
-    """modeling_pi05 and pi_gemma, loaded from the installed LeRobot without its plumbing."""
+# PEP 695 type parameters (Python 3.12 syntax): `class C[T, U](B):`, `def f[T: X](`, `type A =`.
+_TYPE_PARAMS = re.compile(r"^(\s*)(class|def) (\w+)\[([^\]]*)\](\(?)", re.M)
+_TYPE_ALIAS = re.compile(r"^type (\w+) *=", re.M)
+
+
+def _down_level(src: str) -> str:
+    """The same module in Python 3.11 syntax: type parameters become module-level TypeVars
+    (a class keeps them through typing.Generic); they only ever feed annotations."""
+    names: set[str] = set()
+
+    def strip(m):
+        params = [p.split(":")[0].strip() for p in m.group(4).split(",")]
+        names.update(params)
+        if m.group(2) == "def":
+            return f"{m.group(1)}def {m.group(3)}{m.group(5)}"
+        generic = f"_Generic[{', '.join(params)}]"
+        return f"{m.group(1)}class {m.group(3)}({generic}" + (", " if m.group(5) else ")")
+
+    out = _TYPE_PARAMS.sub(strip, src)
+    out = _TYPE_ALIAS.sub(r"\1 =", out)
+    if out == src:
+        return src
+    head = "from typing import Generic as _Generic, TypeVar as _TypeVar\n" + "".join(
+        f"{n} = _TypeVar({n!r})\n" for n in sorted(names))
+    future = re.search(r"^from __future__ import annotations\n", out, re.M)
+    at = future.end() if future else 0
+    return out[:at] + head + out[at:]
+
+
+class _Py311Loader(importlib.machinery.SourceFileLoader):
+    def source_to_code(self, data, path, *, _optimize=-1):
+        return compile(_down_level(data.decode()), path, "exec", dont_inherit=True,
+                       optimize=_optimize)
+
+
+class _LeRobotFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] != "lerobot":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and str(spec.origin).endswith(".py"):
+            spec.loader = _Py311Loader(name, spec.origin)
+        return spec
+
+
+def import_lerobot():
+    """LeRobot's pi05 modelling, config and processor modules, as installed."""
     spec = importlib.util.find_spec("lerobot")
     if spec is None:
         sys.exit("lerobot is not installed in this interpreter; see the module docstring")
     root = Path(spec.submodule_search_locations[0])
-
-    def package(name, path):
-        module = types.ModuleType(name)
-        module.__path__ = [str(path)]
-        sys.modules[name] = module
-
-    def stub(name, **attrs):
+    import transformers  # noqa: F401  (before the torchvision stub: it probes for it)
+    for name in ("torchvision", "torchvision.io", "torchvision.models", "torchvision.transforms",
+                 "torchvision.transforms.v2", "torchvision.transforms.functional"):
         module = _AnyModule(name)
-        module.__dict__.update(attrs)
+        module.__path__ = []
         sys.modules[name] = module
-
-    package("lerobot.policies", root / "policies")
-    package("lerobot.policies.pi05", root / "policies" / "pi05")
-    package("lerobot.policies.common", root / "policies" / "common")
-    package("lerobot.policies.rtc", root / "policies" / "rtc")
-    stub("lerobot.configs")
-    stub("lerobot.policies.pretrained", T=object)
-    stub("lerobot.policies.rtc.modeling_rtc")
-    stub("lerobot.policies.pi05.configuration_pi05", DEFAULT_IMAGE_SIZE=224)
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+    if sys.version_info < (3, 12):
+        sys.meta_path.insert(0, _LeRobotFinder())
     import lerobot
+    policies = types.ModuleType("lerobot.policies")  # its __init__ imports every policy
+    policies.__path__ = [str(root / "policies")]
+    sys.modules["lerobot.policies"] = policies
     from lerobot.policies import pi_gemma
     from lerobot.policies.pi05 import modeling_pi05
     return modeling_pi05, pi_gemma, getattr(lerobot, "__version__", "?")
@@ -118,9 +177,9 @@ def our_config():
                        max_token_len=MAX_TOKENS, prompt_attention="bidirectional")
 
 
-def build_lerobot(m, pg):
-    """PI05Pytorch with the tiny dims, constructed through LeRobot's own code path."""
-    variants = {"xc_vlm": VLM, "xc_expert": EXPERT}
+def tiny_variants(m, pg):
+    """Make LeRobot build the tiny dims under the variant names its config accepts."""
+    variants = {"gemma_2b": VLM, "gemma_300m": EXPERT}
 
     def get_gemma_config(name):
         v = variants[name]
@@ -144,8 +203,12 @@ def build_lerobot(m, pg):
     m.get_gemma_config = get_gemma_config
     m.PaliGemmaForConditionalGenerationWithPiGemma = paligemma
     m.PiGemmaForCausalLM = expert
+
+
+def build_lerobot(m):
+    """PI05Pytorch with the tiny dims, constructed through LeRobot's own code path."""
     cfg = SimpleNamespace(
-        paligemma_variant="xc_vlm", action_expert_variant="xc_expert",
+        paligemma_variant="gemma_2b", action_expert_variant="gemma_300m",
         image_resolution=(VISION["image_size"],) * 2, dtype="float32",
         freeze_vision_encoder=False, train_expert_only=False, max_action_dim=ACTION_DIM,
         chunk_size=HORIZON, n_action_steps=HORIZON, num_inference_steps=STEPS,
@@ -350,15 +413,182 @@ def compare(report, tag, mine, ref):
                    1e-4)
 
 
+# --------------------------------------------------------------------------- policy directory
+
+CAMERAS = {"top": (37, 61), "wrist_left": (80, 50), "side": (56, 56)}  # H, W as fed
+STATE_DIM, ACTION_DIM_ROBOT, CHUNK, N_ACTION_STEPS, POLICY_TOKENS = 8, 7, 16, 12, 64
+NORM_MAPS = {"quantiles": {"STATE": "QUANTILES", "ACTION": "QUANTILES"},
+             "mean_std/min_max": {"STATE": "MEAN_STD", "ACTION": "MIN_MAX"}}
+
+
+class SentencePieceTokenizer:
+    """The call LeRobot's TokenizerProcessorStep makes of a Hugging Face tokenizer, served by
+    SentencePiece itself: LeRobot would fetch google/paligemma-3b-pt-224 from the hub, which
+    cannot be reached here, so the same model file the engine gets stands in for it."""
+
+    def __init__(self, path: Path):
+        import sentencepiece
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+
+    def __call__(self, text, max_length, truncation=True, padding="max_length",
+                 padding_side="right", return_tensors="pt"):
+        if (padding, padding_side, return_tensors) != ("max_length", "right", "pt"):
+            raise SystemExit(f"unexpected tokenizer call {padding} {padding_side}")
+        texts = [text] if isinstance(text, str) else list(text)
+        ids = torch.zeros(len(texts), max_length, dtype=torch.long)
+        mask = torch.zeros(len(texts), max_length, dtype=torch.long)
+        for row, t in enumerate(texts):
+            pieces = self.sp.encode(t, add_bos=True)
+            if truncation:
+                pieces = pieces[:max_length]
+            ids[row, :len(pieces)] = torch.tensor(pieces)
+            mask[row, :len(pieces)] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def policy_stats(seed: int = 3) -> dict:
+    """Dataset statistics of every kind LeRobot keeps, none trivial."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, n in (("observation.state", STATE_DIM), ("action", ACTION_DIM_ROBOT)):
+        centre = torch.randn(n, generator=g) * 2
+        spread = torch.rand(n, generator=g) * 3 + 0.5
+        out[key] = {"mean": centre, "std": spread, "q01": centre - 1.5 * spread,
+                    "q99": centre + 2.0 * spread, "min": centre - 3 * spread,
+                    "max": centre + 4 * spread}
+    return out
+
+
+def save_policy(m, directory: Path, norm_map: dict) -> None:
+    """A tiny random PI05Policy saved as LeRobot saves one: save_pretrained plus its pre-
+    and post-processors (the stats go into their safetensors files)."""
+    from lerobot.configs import FeatureType, NormalizationMode, PolicyFeature
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config
+    from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
+    size = VISION["image_size"]
+    features = {f"observation.images.{c}": PolicyFeature(FeatureType.VISUAL, (3, size, size))
+                for c in CAMERAS}
+    features["observation.state"] = PolicyFeature(FeatureType.STATE, (STATE_DIM,))
+    cfg = PI05Config(
+        input_features=features,
+        output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION_DIM_ROBOT,))},
+        chunk_size=CHUNK, n_action_steps=N_ACTION_STEPS, image_resolution=(size, size),
+        tokenizer_max_length=POLICY_TOKENS, device="cpu",
+        normalization_mapping={"VISUAL": NormalizationMode.IDENTITY,
+                               **{k: NormalizationMode(v) for k, v in norm_map.items()}})
+    policy = m.PI05Policy(cfg)
+    randomise(policy.model)
+    pre, post = make_pi05_pre_post_processors(cfg, policy_stats())
+    policy.save_pretrained(directory)
+    pre.save_pretrained(directory)
+    post.save_pretrained(directory)
+
+
+def raw_observation(seed: int, stats: dict):
+    """Images of odd sizes (uint8 HxWx3), a raw state spread over and past the stats' range,
+    one value exactly at q01 (the edge of bin 0), and a task."""
+    g = torch.Generator().manual_seed(seed)
+    images = {c: torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy()
+              for c, (h, w) in CAMERAS.items()}
+    st = stats["observation.state"]
+    state = st["q01"] + (st["q99"] - st["q01"]) * (torch.rand(STATE_DIM, generator=g) * 1.4 - 0.2)
+    state[2] = st["q01"][2]
+    return images, state.numpy().astype("float32"), "pick up the red cube_and place it"
+
+
+@torch.no_grad()
+def lerobot_policy_actions(m, directory: Path, images, state, task, noise):
+    """LeRobot's own path on the saved directory: preprocessor -> predict_action_chunk ->
+    postprocessor."""
+    from lerobot.processor import PolicyProcessorPipeline
+    from lerobot.processor.converters import (
+        batch_to_transition,
+        policy_action_to_transition,
+        transition_to_batch,
+        transition_to_policy_action,
+    )
+    policy = m.PI05Policy.from_pretrained(directory).eval()
+    pre = PolicyProcessorPipeline.from_pretrained(
+        directory, config_filename="policy_preprocessor.json",
+        to_transition=batch_to_transition, to_output=transition_to_batch)
+    post = PolicyProcessorPipeline.from_pretrained(
+        directory, config_filename="policy_postprocessor.json",
+        to_transition=policy_action_to_transition, to_output=transition_to_policy_action)
+    batch = {f"observation.images.{c}": torch.from_numpy(img).permute(2, 0, 1).float() / 255
+             for c, img in images.items()}
+    batch["observation.state"] = torch.from_numpy(state)
+    batch["task"] = task
+    chunk = policy.predict_action_chunk(pre(batch), noise=torch.from_numpy(noise)[None])
+    return post(chunk)[0]
+
+
+def our_policy_actions(directory: Path, dims: Path, tokenizer: Path, images, state, task,
+                       noise, **engine):
+    import numpy as np
+
+    from oxygen_ros.engine import Engine, EngineConfig, Observation
+    eng = Engine(EngineConfig(checkpoint=str(directory), model=str(dims),
+                              tokenizer=str(tokenizer), seed=0, **engine))
+    facts = (eng.slots, eng.state_dim, eng.action_dim, eng.action_horizon, eng.n_action_steps)
+    want = (tuple(CAMERAS), STATE_DIM, ACTION_DIM_ROBOT, CHUNK, N_ACTION_STEPS)
+    if facts != want:
+        raise SystemExit(f"engine facts {facts} != the policy's {want}")
+    out = eng.step(Observation(0.0, images, state, task), noise=noise).actions
+    return torch.from_numpy(np.asarray(out))
+
+
+def check_policy_directory(m, report: Report, tmp: Path) -> None:
+    """The engine on directories LeRobot saved, against LeRobot's full pipeline."""
+    import yaml
+
+    from oxygen_ros.model.tokenizer import Tokenizer
+    tokenizer = tmp / "tokenizer.model"
+    tokenizer.write_bytes(Tokenizer.default().model_proto())
+    import lerobot.processor.tokenizer_processor as tp
+
+    class _Hub:
+        @staticmethod
+        def from_pretrained(name, **kw):
+            return SentencePieceTokenizer(tokenizer)
+
+    tp.AutoTokenizer = _Hub
+    dims = tmp / "dims.yaml"
+    dims.write_text(yaml.safe_dump(dict(name="xcheck", vlm=VLM, expert=EXPERT, vision=VISION,
+                                        vocab=VOCAB)))
+    stats = policy_stats()
+    for tag, norm_map in NORM_MAPS.items():
+        directory = tmp / f"policy_{tag.replace('/', '_')}"
+        save_policy(m, directory, norm_map)
+        meta = json.loads((directory / "config.json").read_text())
+        if meta["paligemma_variant"] != "gemma_2b":
+            raise SystemExit("expected the saved config to name variants its tensors lack")
+        for case, missing in (("all cameras", None), ("camera wrist_left missing",
+                                                      "wrist_left")):
+            images, state, task = raw_observation(5, stats)
+            if missing:
+                del images[missing]
+            g = torch.Generator().manual_seed(9)
+            noise = torch.randn(CHUNK, ACTION_DIM, generator=g).numpy()
+            ref = lerobot_policy_actions(m, directory, images, state, task, noise)
+            mine = our_policy_actions(directory, dims, tokenizer, images, state, task, noise)
+            report.add(f"[policy {tag}] final actions [{CHUNK}x{ACTION_DIM_ROBOT}], {case}",
+                       mine, ref, 1e-4)
+        if tag == "quantiles":
+            report.differs("policy: openpi conventions instead of LeRobot's -> actions",
+                           our_policy_actions(directory, dims, tokenizer, images, state, task,
+                                              noise, conventions="openpi"), ref, 1e-3)
+
+
 def main() -> int:
-    m, pg, version = import_lerobot_pi05()
+    m, pg, version = import_lerobot()
     import transformers
 
     from oxygen_ros.model import load_checkpoint
     from oxygen_ros.model.pi05 import flow_times
     print(f"LeRobot {version}, transformers {transformers.__version__}, torch {torch.__version__}")
     torch.manual_seed(0)
-    ref_model = build_lerobot(m, pg)
+    tiny_variants(m, pg)
+    ref_model = build_lerobot(m)
     randomise(ref_model)
     inputs = make_inputs()
     times, dt = flow_times(STEPS)
@@ -383,6 +613,7 @@ def main() -> int:
         model.expert[0].norm1.weight.zero_()
         report.differs("expert layer 0 adaRMS weight zeroed -> v(t=1)",
                        ours(model, *inputs)["v1"], ref["v1"], 1e-2)
+        check_policy_directory(m, report, Path(tmp))
     report.print()
     print("FAILED" if report.failed else "all within tolerance")
     return int(report.failed)

@@ -20,8 +20,10 @@ import numpy as np
 import torch
 import yaml
 
-from ..model import Pi05, load_checkpoint, load_config
-from ..model.processing import NormStats, pad_to, prepare_image
+from ..model import Pi05, load_config
+from ..model.checkpoint import Checkpoint, open_checkpoint
+from ..model.processing import CONVENTIONS, NormStats, prepare_image
+from ..model.rtc import Guide, Handover
 from ..model.tokenizer import Tokenizer, action_prompt, subtask_prompt
 from .kv_cache import KVCache
 from .parallel import ParallelScheduler
@@ -35,12 +37,18 @@ QUESTION_FORMAT = 'Question: {question}\nAnswer: '
 
 @dataclass
 class EngineConfig:
-    model: str = 'small'  # a built-in config name or a YAML path (ignored with a checkpoint)
-    checkpoint: str = ''  # openpi/LeRobot safetensors directory or file; '' = random weights
+    # A built-in config name or a YAML path; '' = 'small' for random weights. With a
+    # checkpoint it gives the transformer/vision/vocabulary dims instead of the variants its
+    # config.json names; '' = those variants.
+    model: str = ''
+    checkpoint: str = ''  # LeRobot pi05 / openpi directory or .safetensors file; '' = random
+    normalize: bool = True  # False: run a checkpoint without normalisation stats on purpose
+    conventions: str = ''  # 'openpi' or 'lerobot'; '' = what the checkpoint directory is
+    asset_id: str = ''  # openpi: which assets/<asset_id>/norm_stats.json; '' = the only one
     tokenizer: str = ''  # SentencePiece model path; '' = small built-in tokenizer
     device: str = 'cpu'
     mode: str = 'oxygen'
-    denoise_steps: int = 10
+    denoise_steps: int = 0  # 0 = the checkpoint's (LeRobot num_inference_steps), else 10
     decode_k: int = 5  # decode steps per frame; 0 = adapt to the frame budget
     control_rate_hz: float = 70.0
     frame_budget_ms: float = 0.0  # 0 = action_horizon / control_rate_hz
@@ -57,6 +65,8 @@ class EngineConfig:
     prompt_format: str = 'pi05'  # pi05: openpi's action prompt with state; subtask: OxyGen's
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     compile: bool = False  # torch.compile the decode and denoise phases (CUDA)
+    rtc: bool = False  # real-time chunking: guide each chunk towards the one being executed
+    rtc_beta: float = 5.0  # largest guidance weight (the paper's beta); 0 = no guidance
 
     def __post_init__(self):
         if self.mode not in MODES + ('parallel',):
@@ -66,10 +76,12 @@ class EngineConfig:
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f'prompt_format must be one of {PROMPT_FORMATS}, '
                              f'got {self.prompt_format!r}')
-        for name in ('denoise_steps', 'max_new_tokens'):
-            if getattr(self, name) < 1:
-                raise ValueError(f'{name} must be >= 1, got {getattr(self, name)}')
-        for name in ('decode_k', 'max_requests', 'threads', 'max_pending',
+        if self.max_new_tokens < 1:
+            raise ValueError(f'max_new_tokens must be >= 1, got {self.max_new_tokens}')
+        if self.conventions not in ('',) + CONVENTIONS:
+            raise ValueError(f'conventions must be one of {CONVENTIONS} or empty, '
+                             f'got {self.conventions!r}')
+        for name in ('denoise_steps', 'decode_k', 'max_requests', 'threads', 'max_pending',
                      'max_question_tokens'):
             if getattr(self, name) < 0:
                 raise ValueError(f'{name} must be >= 0, got {getattr(self, name)}')
@@ -79,6 +91,8 @@ class EngineConfig:
             raise ValueError(f'frame_budget_ms must be >= 0, got {self.frame_budget_ms}')
         if self.temperature < 0:
             raise ValueError(f'temperature must be >= 0, got {self.temperature}')
+        if self.rtc_beta < 0:
+            raise ValueError(f'rtc_beta must be >= 0, got {self.rtc_beta}')
         if self.device.startswith('cuda') and not torch.cuda.is_available():
             raise ValueError(f'device {self.device!r} asked for but CUDA is not available')
 
@@ -123,13 +137,16 @@ class TokenEvent:
 @dataclass
 class FrameResult:
     stamp: float
-    actions: np.ndarray  # [horizon, action_dim], unnormalised
+    actions: np.ndarray  # [horizon, action_dim] (the robot's dims), unnormalised
     events: list[TokenEvent] = field(default_factory=list)
     timing: dict = field(default_factory=dict)
     rejected: str | None = None
 
 
 class Engine:
+    """``model`` (with ``norm_stats``) bypasses loading: the model's slots and action width
+    are used, in openpi's conventions unless the config says otherwise."""
+
     def __init__(self, cfg: EngineConfig | None = None, model=None, tokenizer=None,
                  norm_stats: NormStats | None = None):
         self.cfg = cfg = cfg or EngineConfig()
@@ -137,10 +154,15 @@ class Engine:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
         if model is None:
-            model, norm_stats = _load_model(cfg, self.device)
-        self.model = model
+            self.checkpoint = _load(cfg, self.device)
+        else:
+            mc = model.cfg
+            self.checkpoint = Checkpoint(model, norm_stats, 'given', cfg.conventions or 'openpi',
+                                         tuple(mc.image_slots), None, mc.action_dim,
+                                         mc.action_horizon, mc.action_horizon, None)
+        self.model = model = self.checkpoint.model
         self.model_cfg = model.cfg
-        self.norm = norm_stats
+        self.norm = self.checkpoint.norm
         self.tokenizer = tokenizer or (Tokenizer(cfg.tokenizer) if cfg.tokenizer
                                        else Tokenizer.default())
         if self.tokenizer.vocab_size > self.model_cfg.vocab:
@@ -152,7 +174,7 @@ class Engine:
         budget = cfg.frame_budget_ms or 1000.0 * self.model_cfg.action_horizon / cfg.control_rate_hz
         if cfg.mode == 'parallel':
             self.scheduler = ParallelScheduler(
-                model, cfg.max_requests, cfg.max_new_tokens, cfg.denoise_steps,
+                model, cfg.max_requests, cfg.max_new_tokens, self.denoise_steps,
                 vocab_limit=self.tokenizer.vocab_size, device=self.device, dtype=dtype,
                 frame_budget_ms=budget, extension=cfg.max_question_tokens)
             self.cache = self.scheduler.lang.cache
@@ -161,7 +183,7 @@ class Engine:
                                  device=self.device, dtype=dtype,
                                  extension=cfg.max_question_tokens)
             self.scheduler = Scheduler(
-                model, self.cache, mode=cfg.mode, denoise_steps=cfg.denoise_steps,
+                model, self.cache, mode=cfg.mode, denoise_steps=self.denoise_steps,
                 decode_k=cfg.decode_k, frame_budget_ms=budget, admission=cfg.admission,
                 max_pending=cfg.max_pending, vocab_limit=self.tokenizer.vocab_size)
         # Questions arrive from other threads: they wait in the inbox for the next frame.
@@ -179,9 +201,14 @@ class Engine:
         self._blank = torch.zeros(3, size, size)
         self._recent = collections.deque(maxlen=200)  # (wall time, frame ms, tokens)
         self.frames = 0
+        self._last: torch.Tensor | None = None  # the last chunk, model space (for RTC)
+        self.guided = 0
+
+    # -- what the checkpoint states (the node checks the robot against these) -------------
 
     @property
     def slots(self) -> tuple[str, ...]:
+        """Camera slot names in the model's order (LeRobot: its camera names)."""
         return tuple(self.model_cfg.image_slots)
 
     @property
@@ -190,7 +217,40 @@ class Engine:
 
     @property
     def action_dim(self) -> int:
+        """Columns of every action chunk returned: the robot's action dims."""
+        return self.checkpoint.action_dim
+
+    @property
+    def model_action_dim(self) -> int:
+        """Width the model works in (LeRobot's max_action_dim); the noise has it."""
         return self.model_cfg.action_dim
+
+    @property
+    def state_dim(self) -> int | None:
+        """The state the checkpoint expects (openpi: at most this many); None: not stated."""
+        return self.checkpoint.state_dim
+
+    @property
+    def n_action_steps(self) -> int:
+        """How many actions of a chunk the checkpoint means to be played."""
+        return self.checkpoint.n_action_steps
+
+    @property
+    def conventions(self) -> str:
+        return self.checkpoint.conventions
+
+    @property
+    def denoise_steps(self) -> int:
+        return self.cfg.denoise_steps or self.checkpoint.denoise_steps or 10
+
+    @property
+    def weights(self) -> dict:
+        """What was loaded: layout ('lerobot', 'openpi', 'file', 'random', 'given'), path,
+        normalisation modes and stats files."""
+        c = self.checkpoint
+        return dict(layout=c.layout, path=c.info.get('path'), asset_id=c.info.get('asset_id'),
+                    stats_files=c.info.get('stats_files', []),
+                    normalization=self.norm.modes if self.norm is not None else None)
 
     # -- observation -> tensors ------------------------------------------------------------
 
@@ -203,7 +263,7 @@ class Engine:
         self._prompt_cache = (text, out)
         return out
 
-    def frame(self, obs: Observation) -> Frame:
+    def frame(self, obs: Observation, noise: np.ndarray | None = None) -> Frame:
         unknown = sorted(set(obs.images) - set(self.slots))
         if unknown:
             raise ValueError(f'unknown image slots {unknown}; the model has {list(self.slots)}')
@@ -212,18 +272,31 @@ class Engine:
         for slot in self.slots:
             img = obs.images.get(slot)
             present.append(img is not None)
-            images.append(self._blank if img is None else prepare_image(img, size, size))
+            images.append(self._blank if img is None
+                          else prepare_image(img, size, size, self.conventions))
         state = np.asarray(obs.state, dtype=np.float32)
-        if not np.all(np.isfinite(state)):
-            raise ValueError('state holds NaN or inf')
+        if state.ndim != 1 or not np.all(np.isfinite(state)):
+            raise ValueError(f'state must be a finite vector, got shape {state.shape}')
+        want = self.state_dim
+        if want is not None and (len(state) > want or
+                                 (self.conventions == 'lerobot' and len(state) != want)):
+            raise ValueError(f'state has {len(state)} dims; the checkpoint expects {want}')
         if self.norm is not None:
-            state = self.norm.normalize_state(state.copy())
+            state = self.norm.normalize_state(state)
         if self.cfg.prompt_format == 'pi05':
-            text = action_prompt(obs.prompt, pad_to(state, self.action_dim))
+            text = action_prompt(obs.prompt, state)
         else:
             text = subtask_prompt(obs.prompt)
         tokens, mask = self._tokens(text)
-        noise = torch.randn(1, self.action_horizon, self.action_dim, generator=self._noise)
+        shape = (self.action_horizon, self.model_action_dim)
+        if noise is None:
+            noise = torch.randn(1, *shape, generator=self._noise)
+        else:
+            noise = np.asarray(noise, dtype=np.float32)
+            if noise.shape != shape or not np.all(np.isfinite(noise)):
+                raise ValueError(f'noise must be a finite {list(shape)} array (horizon x model '
+                                 f'action width), got shape {list(noise.shape)}')
+            noise = torch.from_numpy(noise)[None]
         dtype = self.cache.kv.dtype
         return Frame(
             stamp=obs.stamp,
@@ -232,8 +305,20 @@ class Engine:
             tokens=tokens, token_mask=mask,
             noise=noise.to(self.device, dtype))
 
+    def actions_in(self, actions: np.ndarray) -> torch.Tensor:
+        """The inverse of actions_out: the robot's dims, unnormalised -> model space, zero
+        past the robot's dims."""
+        a = np.asarray(actions, dtype=np.float64)
+        if self.norm is not None:
+            a = self.norm.normalize_actions(a)
+        out = torch.zeros(a.shape[0], self.model_action_dim)
+        out[:, :a.shape[1]] = torch.from_numpy(np.asarray(a, dtype=np.float32))
+        return out
+
     def actions_out(self, actions: torch.Tensor) -> np.ndarray:
-        a = actions.float().cpu().numpy()
+        """Model actions -> the robot's dims, unnormalised (cut first, as LeRobot does;
+        openpi's unnormalisation leaves dims past its stats alone, so the order is moot)."""
+        a = actions.float().cpu().numpy()[..., :self.action_dim]
         if self.norm is not None:
             a = self.norm.unnormalize_actions(a)
         return a
@@ -241,17 +326,23 @@ class Engine:
     # -- one frame -------------------------------------------------------------------------
 
     def step(self, obs: Observation, narrate: bool = False, on_actions=None,
-             max_new_tokens: int | None = None) -> FrameResult:
+             max_new_tokens: int | None = None, noise: np.ndarray | None = None,
+             handover: Handover | None = None) -> FrameResult:
         """Run one frame. ``on_actions`` gets the chunk as soon as it exists, before language.
 
         ``narrate`` starts a language request from this frame's prefill; ``max_new_tokens``
         caps it below the configured maximum (the KV rows are sized for that maximum). The
         questions asked since the last frame start from the same prefill.
+        ``noise`` [action_horizon, model_action_dim] replaces the seeded draw (which is then
+        not advanced), to reproduce another implementation's sample. With ``rtc`` on,
+        ``handover`` says where this chunk joins the previous one (the last this engine
+        returned), and the chunk is sampled to continue it.
         """
         limit = self.cfg.max_new_tokens
         if max_new_tokens is not None and not 1 <= max_new_tokens <= limit:
             raise ValueError(f'max_new_tokens must be in [1, {limit}], got {max_new_tokens}')
-        f = self.frame(obs)
+        f = self.frame(obs, noise)
+        f.guide = self._guide(handover)
         narration = None
         if narrate:
             narration = Request(stamp=obs.stamp, prompt=obs.prompt,
@@ -273,6 +364,9 @@ class Engine:
                 r.stamp = obs.stamp
             out = self.scheduler.step(f, asks + ([narration] if narration else []), hook)
             events = self._events(out)
+            # Cloned out of inference mode: the next frame's guidance differentiates near it.
+            self._last = out.actions.clone()
+            self.guided += f.guide is not None
         except BaseException:
             with self._lock:
                 # The failed frame started none of its questions that are not running: the
@@ -295,6 +389,26 @@ class Engine:
         self.frames += 1
         self._recent.append((time.monotonic(), out.timing['frame_ms'], len(out.tokens)))
         return result
+
+    def _guide(self, handover: Handover | None) -> Guide | None:
+        if not self.cfg.rtc or handover is None or self._last is None:
+            return None
+        if handover.start < 0 or handover.delay < 0:
+            raise ValueError(f'handover steps must be >= 0, got {handover}')
+        h = self.action_horizon
+        if handover.start >= h:
+            return None  # the previous chunk has run out: there is nothing to join
+        # Past the overlap there is nothing to freeze to.
+        delay = min(handover.delay, h - handover.start)
+        if handover.previous is None:
+            return Guide.make(self._last, handover.start, delay, self.cfg.rtc_beta,
+                              columns=self.action_dim)
+        prev = np.asarray(handover.previous, dtype=np.float64)
+        if prev.ndim != 2 or prev.shape[0] != h or not 1 <= prev.shape[1] <= self.action_dim:
+            raise ValueError(f'handover.previous must be [{h}, <= {self.action_dim}], '
+                             f'got {prev.shape}')
+        return Guide.make(self.actions_in(prev), handover.start, delay, self.cfg.rtc_beta,
+                          columns=prev.shape[1])
 
     # -- questions -------------------------------------------------------------------------
 
@@ -420,6 +534,7 @@ class Engine:
             kv_bytes=self.cache.total_bytes,
             kv_bytes_per_slot=self.cache.bytes_per_slot,
             deadline_misses=s.deadline_misses,
+            rtc_frames=self.guided,
             rejected_requests=s.rejected,
             dropped_requests=s.dropped,
         )
@@ -446,18 +561,22 @@ def random_model(model_cfg, device: torch.device, dtype: torch.dtype) -> Pi05:
     return model.to_inference(device, dtype)
 
 
-def _load_model(cfg: EngineConfig, device: torch.device):
+def _load(cfg: EngineConfig, device: torch.device) -> Checkpoint:
     dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
-    norm = None
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
         if not path.exists():
             raise FileNotFoundError(f'checkpoint not found: {path}')
-        model, stats, _ = load_checkpoint(path, device=device, dtype=dtype)
-        if stats is not None:
-            norm = NormStats.from_dict(stats)
+        ckpt = open_checkpoint(path, load_config(cfg.model) if cfg.model else None, device,
+                               dtype, cfg.asset_id or None, cfg.normalize,
+                               cfg.conventions or None)
     else:
         torch.manual_seed(cfg.seed)
-        model = random_model(load_config(cfg.model), device, dtype)
-    model.eval()
-    return model, norm
+        conventions = cfg.conventions or 'openpi'
+        model = random_model(load_config(cfg.model or 'small', time_grid=conventions), device,
+                             dtype)
+        mc = model.cfg
+        ckpt = Checkpoint(model, None, 'random', conventions, tuple(mc.image_slots), None,
+                          mc.action_dim, mc.action_horizon, mc.action_horizon, None)
+    ckpt.model.eval()
+    return ckpt

@@ -66,7 +66,7 @@ class ParallelScheduler:
         row = self.act.cache.scratch
         self.act._prefill(f, row)
         actions = self.act.model.denoise(self.act.cache.kv, slice(row, row + 1), f.noise,
-                                         self.denoise_steps)[0]
+                                         self.denoise_steps, guide=f.guide)[0]
         return actions, self.clock() - t0
 
     @torch.inference_mode()

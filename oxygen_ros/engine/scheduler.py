@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.rtc import Guide
 from .kv_cache import KVCache
 from .requests import Request, sample
 
@@ -44,6 +45,7 @@ class Frame:
     tokens: torch.Tensor  # [1, L] long
     token_mask: torch.Tensor  # [1, L] bool
     noise: torch.Tensor  # [1, horizon, action_dim]
+    guide: Guide | None = None  # real-time chunking towards the chunk being executed
 
 
 @dataclass
@@ -289,7 +291,7 @@ class Scheduler:
         hidden = self._prefill(f, shared)
         t1 = clock()
         actions = self.model.denoise(self.cache.kv, slice(shared, shared + 1), f.noise,
-                                     self.denoise_steps)[0]
+                                     self.denoise_steps, guide=f.guide)[0]
         t2 = clock()
         out.actions = actions
         if on_actions is not None:

@@ -1,12 +1,16 @@
 """openpi / LeRobot pi0.5 checkpoints in safetensors: loading and saving.
 
 Internally q/k/v and gate/up are fused; here they are split to, and joined from, the
-checkpoint's per-projection tensors.
+checkpoint's per-projection tensors. ``open_checkpoint`` loads a directory as a user has it
+and returns, with the model, what the directory states about the robot: cameras, dims,
+horizon, normalisation and the conventions of the implementation that wrote it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,7 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ExpertConfig, ModelConfig, VisionConfig, load_config
+from .lerobot_policy import is_lerobot, read_policy
 from .pi05 import Pi05
+from .processing import CONVENTIONS, NormStats
 
 PG = "paligemma_with_expert.paligemma."
 VIT = PG + "model.vision_tower.vision_model."
@@ -133,7 +139,7 @@ def config_from_json(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
             name = name.removesuffix("_lora")
             if name not in VARIANTS:
                 raise CheckpointError(f"unknown {key} {name!r}; known: {sorted(VARIANTS)}; "
-                                      f"pass cfg explicitly")
+                                      f"give the dims as a model config (EngineConfig.model)")
             over[field] = VARIANTS[name]
     for key in ("action_dim", "action_horizon", "max_token_len"):
         if key in meta:
@@ -156,7 +162,7 @@ def infer_config(base: ModelConfig, shapes: dict[str, tuple[int, ...]],
         heads = base.vision.heads if width == base.vision.width else None
         if heads is None:
             raise CheckpointError(f"cannot tell the vision head count for width {width}; "
-                                  f"pass cfg explicitly")
+                                  f"give the dims as a model config (EngineConfig.model)")
         over["vision"] = VisionConfig(width=width, depth=depth(VIT + "encoder.layers."),
                                       mlp=fc1[0], heads=heads, patch=p,
                                       image_size=int(round(pos[0] ** 0.5)) * p)
@@ -168,7 +174,8 @@ def infer_config(base: ModelConfig, shapes: dict[str, tuple[int, ...]],
             known = [v for v in VARIANTS.values() if v.width == gate[1] and v.mlp == gate[0]]
             if not known:
                 raise CheckpointError(f"cannot tell the {field} variant (width {gate[1]}, "
-                                      f"mlp {gate[0]}); pass cfg explicitly")
+                                      f"mlp {gate[0]}); give the dims as a model config "
+                                      f"(EngineConfig.model)")
             over[field] = ExpertConfig(**{**known[0].__dict__, "depth": depth(prefix)})
     emb = shapes.get(EMBED) or shapes.get(LM_HEAD)
     if emb:
@@ -198,12 +205,13 @@ def _read_norm_stats(root: Path | None, asset_id: str | None):
 
 
 def load_checkpoint(path, cfg: ModelConfig | None = None, device="cpu", dtype=None,
-                    asset_id: str | None = None):
+                    asset_id: str | None = None, overrides: dict | None = None):
     """Load a pi0.5 checkpoint: an openpi directory or a single .safetensors file.
 
     Returns (model, norm_stats or None, info). Keys may carry LeRobot's "model." prefix; a
     missing embed_tokens is taken from the tied lm_head. Without ``cfg`` the config comes
-    from config.json (our own, or openpi's variant names) or from the tensor shapes.
+    from config.json (our own, or openpi's variant names) or from the tensor shapes;
+    ``overrides`` replace fields of that config before the tensors are checked against it.
     """
     weights, root = _files(Path(path))
     meta = {}
@@ -215,6 +223,8 @@ def load_checkpoint(path, cfg: ModelConfig | None = None, device="cpu", dtype=No
         if cfg is None:
             cfg = (config_from_json(meta, found) if meta
                    else infer_config(load_config("pi05"), found))
+        if overrides:
+            cfg = cfg.replace(**overrides)
         expected = expected_shapes(cfg)
         tied = EMBED not in found and LM_HEAD in found
         if tied:
@@ -233,6 +243,9 @@ def load_checkpoint(path, cfg: ModelConfig | None = None, device="cpu", dtype=No
                                 ("wrong shape", wrong)):
                 if keys:
                     lines.append(f"  {label} ({len(keys)}): " + ", ".join(keys))
+            lines.append(f"  (the dims are those of config {cfg.name!r}: name the model config "
+                         f"the checkpoint has as `model`, or leave `model` empty to take them "
+                         f"from its config.json)")
             raise CheckpointError("\n".join(lines))
         state = {}
         for name, parts in _layout(cfg).items():
@@ -246,6 +259,100 @@ def load_checkpoint(path, cfg: ModelConfig | None = None, device="cpu", dtype=No
             "ignored": ignored, "precision": meta.get("precision"),
             "prefixed": any(k.startswith("model.") for k in names.values())}
     return model, norm_stats, info
+
+
+def _shapes(weights: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(weights), framework="pt", device="cpu") as f:
+        return {k.removeprefix("model."): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint and the facts its directory states.
+
+    ``action_dim`` is the robot's (the columns the user gets); the model works in
+    ``model.cfg.action_dim``. ``state_dim`` None: the checkpoint does not say.
+    """
+
+    model: Pi05
+    norm: NormStats | None
+    layout: str  # "lerobot" (a policy directory), "openpi" (directory) or "file"
+    conventions: str  # see processing.CONVENTIONS
+    slots: tuple[str, ...]
+    state_dim: int | None
+    action_dim: int
+    horizon: int
+    n_action_steps: int
+    denoise_steps: int | None  # what the checkpoint asks for, if it says
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+def open_checkpoint(path, dims: ModelConfig | None = None, device="cpu", dtype=None,
+                    asset_id: str | None = None, normalize: bool = True,
+                    conventions: str | None = None) -> Checkpoint:
+    """Load a LeRobot pi05 policy directory, an openpi directory or a .safetensors file.
+
+    ``dims``: a config whose transformer, vision and vocabulary dims are used instead of
+    the variants config.json names (checked strictly against the tensors); horizon, token
+    length, cameras and action width still come from the checkpoint. ``conventions``
+    overrides those of the layout (LeRobot's for a policy directory, openpi's otherwise).
+    Without normalisation stats this raises, naming what was looked for, unless
+    ``normalize`` is False.
+    """
+    if conventions is not None and conventions not in CONVENTIONS:
+        raise CheckpointError(f"conventions must be one of {CONVENTIONS}, got {conventions!r}")
+    weights, root = _files(Path(path))
+    meta = json.loads((root / "config.json").read_text()) if (
+        root is not None and (root / "config.json").is_file()) else {}
+    if is_lerobot(meta):
+        return _open_lerobot(weights, root, meta, dims, device, dtype, normalize, conventions)
+    facts = {"time_grid": conventions or "openpi"}
+    if dims is not None:
+        facts.update({k: int(meta[k]) for k in ("action_horizon", "max_token_len") if k in meta})
+        if "image_slots" in meta.get("oxygen", {}):  # only our own files name the slots
+            facts["image_slots"] = meta["oxygen"]["image_slots"]
+        act = _shapes(weights).get("action_in_proj.weight")
+        if act:
+            facts["action_dim"] = act[1]
+    model, stats, info = load_checkpoint(weights if root is None else root, dims, device, dtype,
+                                         asset_id, facts)
+    layout = "file" if root is None else "openpi"
+    norm = None
+    if normalize:
+        if stats is None:
+            looked = (f"{root / 'assets'}/<asset_id>/norm_stats.json" if root is not None
+                      else "nothing beside a bare .safetensors file")
+            raise CheckpointError(f"{path}: no normalisation stats (looked for {looked}); set "
+                                  f"normalize: false to run without them on purpose")
+        norm = NormStats.from_dict(stats)
+        if conventions is not None:
+            norm = NormStats(norm.state, norm.actions, conventions)
+    cfg = model.cfg
+    # openpi's stats are computed on what the robot transforms give: the robot's dims.
+    state_dim = norm.state.dim if norm is not None else None
+    action_dim = min(norm.actions.dim, cfg.action_dim) if norm is not None else cfg.action_dim
+    return Checkpoint(model, norm, layout, conventions or "openpi", tuple(cfg.image_slots),
+                      state_dim, action_dim, cfg.action_horizon, cfg.action_horizon, None, info)
+
+
+def _open_lerobot(weights, root, meta, dims, device, dtype, normalize, conventions):
+    policy = read_policy(root, meta, normalize)
+    facts = dict(action_horizon=policy.horizon, max_token_len=policy.max_token_len,
+                 image_slots=policy.slots, action_dim=policy.model_action_dim,
+                 time_grid=conventions or "lerobot")
+    cfg = dims or config_from_json({k: meta[k] for k in policy.variants}, _shapes(weights))
+    model, _, info = load_checkpoint(weights, cfg.replace(**facts), device, dtype)
+    size = model.cfg.vision.image_size
+    if policy.image_size != (size, size):
+        raise CheckpointError(f"config.json: image_resolution {list(policy.image_size)} but "
+                              f"the vision tower takes {size}x{size}")
+    norm = policy.norm
+    if norm is not None and conventions is not None:
+        norm = NormStats(norm.state, norm.actions, conventions, norm.eps)
+    info = {**info, "stats_files": list(policy.stats_files), "variants": policy.variants}
+    return Checkpoint(model, norm, "lerobot", conventions or "lerobot", policy.slots,
+                      policy.state_dim, policy.action_dim, policy.horizon,
+                      policy.n_action_steps, policy.denoise_steps, info)
 
 
 def _variant(e: ExpertConfig) -> str:
@@ -270,6 +377,7 @@ def save_checkpoint(model: Pi05, path, norm_stats: dict | None = None,
     save_file(tensors, str(root / "model.safetensors"))
     precision = "bfloat16" if model.dtype == torch.bfloat16 else "float32"
     meta = {"action_dim": cfg.action_dim, "action_horizon": cfg.action_horizon,
+            "max_token_len": cfg.max_token_len,
             "paligemma_variant": _variant(cfg.vlm), "action_expert_variant": _variant(cfg.expert),
             "precision": precision, "pi05": True, "oxygen": cfg.to_dict()}
     (root / "config.json").write_text(json.dumps(meta, indent=2))

@@ -10,6 +10,7 @@ import yaml
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 PROMPT_ATTENTION = ("bidirectional", "causal")
+TIME_GRIDS = ("openpi", "lerobot")
 
 
 def _check_positive(owner: str, **values: int) -> None:
@@ -80,6 +81,8 @@ class ModelConfig:
     # "causal": text tokens of the prefix causal, images bidirectional (the OxyGen code).
     prompt_attention: str = "bidirectional"
     rope_base: float = 10000.0
+    # Flow-matching step times (pi05.flow_times): "openpi" or "lerobot" (checkpoint-given).
+    time_grid: str = "openpi"
 
     def __post_init__(self):
         for key, kind in (("vlm", ExpertConfig), ("expert", ExpertConfig),
@@ -103,6 +106,8 @@ class ModelConfig:
         if self.prompt_attention not in PROMPT_ATTENTION:
             raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, "
                              f"got {self.prompt_attention!r}")
+        if self.time_grid not in TIME_GRIDS:
+            raise ValueError(f"time_grid must be one of {TIME_GRIDS}, got {self.time_grid!r}")
         if not self.rope_base > 0:
             raise ValueError(f"rope_base must be positive, got {self.rope_base!r}")
         object.__setattr__(self, "rope_base", float(self.rope_base))

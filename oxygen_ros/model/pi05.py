@@ -32,6 +32,7 @@ from .gemma import (
     time_embedding,
 )
 from .kv import KV
+from .rtc import Guide
 from .siglip import Siglip
 
 # Kept in fp32 when the rest runs in bf16: embeddings of pixels, every Gemma norm (the
@@ -41,11 +42,17 @@ FP32_PARAMS = re.compile(
     r"action_(in|out)\.|time_(in|out)\.)")
 
 
-def flow_times(steps: int) -> tuple[list[float], float]:
-    """Time of each Euler step, accumulated in fp32 as openpi does (1.0, 0.9, 0.79999995...)."""
+def flow_times(steps: int, grid: str = "openpi") -> tuple[list[float], float]:
+    """Time of each Euler step: "openpi" accumulates them in fp32 (1.0, 0.9, 0.79999995...);
+    "lerobot" computes 1 + k*dt in float64 and rounds each to fp32 (1.0, 0.9, 0.8, ...)."""
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
     dt = torch.tensor(-1.0 / steps, dtype=torch.float32)
+    if grid == "lerobot":
+        return [float(torch.tensor(1.0 + k * (-1.0 / steps), dtype=torch.float32))
+                for k in range(steps)], float(dt)
+    if grid != "openpi":
+        raise ValueError(f"unknown time grid {grid!r}")
     t = torch.tensor(1.0, dtype=torch.float32)
     out = []
     while t >= -dt / 2:
@@ -295,21 +302,32 @@ class Pi05(nn.Module):
                                      gate.to(self.dtype).unbind(0), strict=True)))
         return [list(m) for m in zip(*per_norm, strict=True)]
 
-    @torch.no_grad()
     def denoise(self, kv: KV, rows: slice, noise: torch.Tensor, steps: int = 10,
-                cols: int | None = None, trace: list | None = None) -> torch.Tensor:
+                cols: int | None = None, trace: list | None = None,
+                guide: Guide | None = None) -> torch.Tensor:
         """Flow-matching sampling from noise [B, horizon, action_dim] -> fp32 actions.
 
         Reads the prefix keys/values of ``rows`` in place and writes nothing, so it must see
         the rows as prefill left them (before any decoded token). ``cols`` fixes the number
         of key columns read (default: the rows' longest length) for static shapes. With a
-        list as ``trace`` the velocity of every step is appended to it.
+        list as ``trace`` the velocity of every step is appended to it. A ``guide`` (rtc.py)
+        steers the sample towards the chunk being executed (real-time chunking).
         """
+        if guide is None:
+            with torch.no_grad():
+                return self._denoise(kv, rows, noise, steps, cols, trace, None)
+        # The guidance differentiates through the expert: leave inference mode (callers run
+        # in it) so that the tensors built here can be saved for the backward pass. The
+        # prefix keys/values are views of the cache, which autograd may save as they are.
+        with torch.inference_mode(False), torch.no_grad():
+            return guide.finish(self._denoise(kv, rows, noise, steps, cols, trace, guide))
+
+    def _denoise(self, kv, rows, noise, steps, cols, trace, guide):
         e = self.cfg.expert
         dev = self.device
         b, t, _ = noise.shape
         rows = _contiguous_rows(rows, kv, b)
-        times, dtime = flow_times(steps)
+        times, dtime = flow_times(steps, self.cfg.time_grid)
         lp = int(kv.length[rows].max()) if cols is None else cols
         mods = self._modulations(times)
 
@@ -323,7 +341,11 @@ class Pi05(nn.Module):
 
         x = noise.to(dev, torch.float32)
         for step in range(len(times)):
-            v = self._velocity(x, mods[step], prefix, bias, cos, sin, lp)
+            if guide is None:
+                v = self._velocity(x, mods[step], prefix, bias, cos, sin, lp)
+            else:
+                v = guide.velocity(x, times[step], lambda y, m=mods[step]: self._velocity(
+                    y, m, prefix, bias, cos, sin, lp))
             if trace is not None:
                 trace.append(v)
             x = x + dtime * v

@@ -1,4 +1,14 @@
-"""Image preparation and state/action normalisation, with openpi's conventions."""
+"""Image preparation and state/action normalisation, in openpi's or LeRobot's conventions.
+
+The two implementations of pi0.5 prepare the same inputs slightly differently, and a
+checkpoint is only reproduced by the conventions it was trained and exported with:
+  openpi:  images resized as uint8 with PIL's antialiased bilinear filter; normalisation in
+           float64 with 1e-6 added to every denominator (q01/q99 or mean/std);
+  lerobot: images resized as float [0, 1] with plain bilinear interpolation (no antialias),
+           clamped; normalisation in float32 with LeRobot's modes (QUANTILES, QUANTILE10,
+           MEAN_STD, MIN_MAX, IDENTITY), eps only where LeRobot adds it.
+Both pad images centred with black and bin the state at the robot's own dims.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-EPS = 1e-6
+EPS = 1e-6  # openpi's
+CONVENTIONS = ("openpi", "lerobot")
 
 
 def resize_with_pad(image: np.ndarray, height: int = 224, width: int = 224) -> np.ndarray:
@@ -48,6 +59,25 @@ def resize_with_pad(image: np.ndarray, height: int = 224, width: int = 224) -> n
     return out
 
 
+def resize_with_pad_float(image: np.ndarray, height: int, width: int) -> torch.Tensor:
+    """LeRobot's path: uint8 HxWx3 -> float 3xHxW in [0, 1], resized with plain bilinear
+    interpolation (no antialias), clamped, and padded centred with 0 (same geometry as
+    resize_with_pad)."""
+    image = np.asarray(image)
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"expected a uint8 HxWx3 image, got {image.dtype} {image.shape}")
+    x = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float().div(255.0)
+    cur_h, cur_w = image.shape[:2]
+    if (cur_h, cur_w) == (height, width):
+        return x
+    ratio = max(cur_w / width, cur_h / height)
+    new_h, new_w = int(cur_h / ratio), int(cur_w / ratio)
+    x = F.interpolate(x[None], size=(new_h, new_w), mode="bilinear", align_corners=False)
+    x = x.clamp(0.0, 1.0)[0]
+    top, left = (height - new_h) // 2, (width - new_w) // 2
+    return F.pad(x, (left, width - new_w - left, top, height - new_h - top), value=0.0)
+
+
 def to_model_image(image: np.ndarray | torch.Tensor) -> torch.Tensor:
     """uint8 HxWx3 -> float32 3xHxW in [-1, 1], the range SigLIP was trained on."""
     x = torch.as_tensor(np.asarray(image))
@@ -56,107 +86,146 @@ def to_model_image(image: np.ndarray | torch.Tensor) -> torch.Tensor:
     return x.permute(2, 0, 1).float().div(255.0).mul(2.0).sub(1.0).contiguous()
 
 
-def prepare_image(image: np.ndarray, height: int = 224, width: int = 224) -> torch.Tensor:
+def prepare_image(image: np.ndarray, height: int = 224, width: int = 224,
+                  conventions: str = "openpi") -> torch.Tensor:
+    """uint8 HxWx3 of any size -> float32 3 x height x width in [-1, 1]."""
+    if conventions == "lerobot":
+        return resize_with_pad_float(image, height, width).mul(2.0).sub(1.0).contiguous()
+    if conventions != "openpi":
+        raise ValueError(f"conventions must be one of {CONVENTIONS}, got {conventions!r}")
     return to_model_image(resize_with_pad(image, height, width))
 
 
-def pad_to(x: np.ndarray, dim: int) -> np.ndarray:
-    """Zero-pad (or cut) the last axis to `dim`: the model works on a fixed 32-d vector."""
-    x = np.asarray(x)
-    n = x.shape[-1]
-    if n >= dim:
-        return x[..., :dim]
-    widths = [(0, 0)] * (x.ndim - 1) + [(0, dim - n)]
-    return np.pad(x, widths)
+MODES = ("QUANTILES", "QUANTILE10", "MEAN_STD", "MIN_MAX", "IDENTITY")
+# The two statistics each mode maps to [-1, 1] (or centres and scales by).
+_NEEDS = {"QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90"), "MIN_MAX": ("min", "max"),
+          "MEAN_STD": ("mean", "std"), "IDENTITY": ()}
 
 
 @dataclass(frozen=True)
 class Stats:
-    mean: np.ndarray
-    std: np.ndarray
-    q01: np.ndarray | None = None
-    q99: np.ndarray | None = None
+    """One feature's statistics and the mode they are applied with."""
+
+    values: dict[str, np.ndarray]
+    mode: str = "QUANTILES"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Stats:
-        def arr(key: str) -> np.ndarray | None:
-            v = d.get(key)
-            return None if v is None else np.asarray(v, dtype=np.float64)
-
-        mean, std = arr("mean"), arr("std")
-        if mean is None or std is None:
-            raise ValueError(f"norm stats need 'mean' and 'std', got keys {sorted(d)}")
-        return cls(mean, std, arr("q01"), arr("q99"))
+    def from_dict(cls, d: dict[str, Any], mode: str = "QUANTILES", what: str = "") -> Stats:
+        if mode not in MODES:
+            raise ValueError(f"unknown normalisation mode {mode!r}; known: {MODES}")
+        values = {k: np.asarray(v, dtype=np.float64) for k, v in d.items() if v is not None}
+        need = _NEEDS[mode]
+        missing = [k for k in need if k not in values]
+        if missing:
+            raise ValueError(f"{mode} normalisation{' of ' + what if what else ''} needs "
+                             f"{list(need)}; the stats have {sorted(values)}")
+        shapes = {values[k].shape for k in need}
+        if len(shapes) > 1 or any(len(s) != 1 for s in shapes):
+            raise ValueError(f"stats {list(need)}{' of ' + what if what else ''} must be "
+                             f"vectors of one length, got shapes {sorted(shapes)}")
+        return cls(values, mode)
 
     @property
-    def dim(self) -> int:
-        return self.mean.shape[-1]
+    def dim(self) -> int | None:
+        need = _NEEDS[self.mode]
+        return self.values[need[0]].shape[0] if need else None
 
-
-def _split(x: np.ndarray, s: Stats) -> tuple[np.ndarray, int]:
-    # Stats cover the robot's dims; dims past them are model padding and pass through.
-    x = np.array(x, dtype=np.float64)
-    return x, min(s.dim, x.shape[-1])
+    def pair(self, dtype) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = _NEEDS[self.mode]
+        return self.values[lo].astype(dtype), self.values[hi].astype(dtype)
 
 
 class NormStats:
-    """State and action statistics from an openpi norm_stats.json.
+    """State and action normalisation in one of the CONVENTIONS.
 
-    pi0.5 checkpoints use quantile normalisation (q01/q99 -> [-1, 1]); quantile=False
-    gives the mean/std variant that pi0 used.
+    openpi: QUANTILES (pi0.5) or MEAN_STD (pi0), float64, 1e-6 in every denominator; the
+    stats cover the robot's dims, dims past them pass through (openpi pads the stats with
+    the identity) and a shorter vector uses the first ones (openpi slices them).
+    lerobot: any of MODES, float32 with LeRobot's order of operations and its eps (1e-8,
+    from the processor file) where LeRobot adds one; the vector must have the stats' dims.
+    ``state`` None: the state is not normalised (IDENTITY).
     """
 
-    def __init__(self, state: Stats, actions: Stats, quantile: bool = True):
-        if quantile:
+    def __init__(self, state: Stats | None, actions: Stats, conventions: str = "openpi",
+                 eps: float = 1e-8):
+        if conventions not in CONVENTIONS:
+            raise ValueError(f"conventions must be one of {CONVENTIONS}, got {conventions!r}")
+        if conventions == "openpi":
             for name, s in (("state", state), ("actions", actions)):
-                if s.q01 is None or s.q99 is None:
-                    raise ValueError(f"quantile normalisation needs q01/q99 for {name!r}")
+                if s is not None and s.mode not in ("QUANTILES", "MEAN_STD", "IDENTITY"):
+                    raise ValueError(f"openpi normalises with QUANTILES or MEAN_STD, not "
+                                     f"{s.mode} ({name})")
         self.state = state
         self.actions = actions
-        self.quantile = quantile
+        self.conventions = conventions
+        self.eps = float(eps)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], quantile: bool = True) -> NormStats:
+        """openpi's norm_stats.json content: {"state": {...}, "actions": {...}}."""
         d = d.get("norm_stats", d)
         missing = [k for k in ("state", "actions") if k not in d]
         if missing:
             raise ValueError(f"norm stats lack {missing}; keys are {sorted(d)}")
-        return cls(Stats.from_dict(d["state"]), Stats.from_dict(d["actions"]), quantile)
+        mode = "QUANTILES" if quantile else "MEAN_STD"
+        return cls(Stats.from_dict(d["state"], mode, "state"),
+                   Stats.from_dict(d["actions"], mode, "actions"))
 
     @classmethod
     def from_json(cls, path: str | Path, quantile: bool = True) -> NormStats:
         with open(path) as f:
             return cls.from_dict(json.load(f), quantile)
 
-    def _norm(self, x: np.ndarray, s: Stats) -> np.ndarray:
-        x, k = _split(x, s)
+    @property
+    def modes(self) -> dict[str, str]:
+        return {"state": self.state.mode if self.state else "IDENTITY",
+                "actions": self.actions.mode}
+
+    def _apply(self, x: np.ndarray, s: Stats | None, name: str, inverse: bool) -> np.ndarray:
+        if s is None or s.mode == "IDENTITY":
+            return np.array(x, dtype=np.float32 if self.conventions == "lerobot" else None)
+        if self.conventions == "openpi":
+            return self._openpi(x, s, inverse)
+        x = np.array(x, dtype=np.float32)
+        if x.shape[-1] != s.dim:
+            raise ValueError(f"{name} has {x.shape[-1]} dims but its stats {s.dim}")
+        return self._lerobot(x, s, inverse)
+
+    @staticmethod
+    def _openpi(x: np.ndarray, s: Stats, inverse: bool) -> np.ndarray:
+        x = np.array(x, dtype=np.float64)
+        k = min(s.dim, x.shape[-1])
+        lo, hi = (a[:k] for a in s.pair(np.float64))
         v = x[..., :k]
-        if self.quantile:
-            x[..., :k] = (v - s.q01[:k]) / (s.q99[:k] - s.q01[:k] + EPS) * 2.0 - 1.0
-        else:
-            x[..., :k] = (v - s.mean[:k]) / (s.std[:k] + EPS)
+        if s.mode == "QUANTILES":
+            span = hi - lo + EPS
+            x[..., :k] = (v + 1.0) / 2.0 * span + lo if inverse else (v - lo) / span * 2.0 - 1.0
+        else:  # MEAN_STD: lo, hi are mean, std
+            x[..., :k] = v * (hi + EPS) + lo if inverse else (v - lo) / (hi + EPS)
         return x
 
-    def _unnorm(self, x: np.ndarray, s: Stats) -> np.ndarray:
-        x, k = _split(x, s)
-        v = x[..., :k]
-        if self.quantile:
-            x[..., :k] = (v + 1.0) / 2.0 * (s.q99[:k] - s.q01[:k] + EPS) + s.q01[:k]
-        else:
-            x[..., :k] = v * (s.std[:k] + EPS) + s.mean[:k]
-        return x
+    def _lerobot(self, x: np.ndarray, s: Stats, inverse: bool) -> np.ndarray:
+        lo, hi = s.pair(np.float32)
+        eps = np.float32(self.eps)
+        if s.mode == "MEAN_STD":
+            return x * hi + lo if inverse else (x - lo) / (hi + eps)
+        denom = hi - lo
+        denom = np.where(denom == 0, eps, denom)
+        if s.mode == "MIN_MAX":
+            return (x + 1) / 2 * denom + lo if inverse else 2 * (x - lo) / denom - 1
+        return (x + 1.0) * denom / 2.0 + lo if inverse else 2.0 * (x - lo) / denom - 1.0
 
     def normalize_state(self, x: np.ndarray) -> np.ndarray:
-        return self._norm(x, self.state)
+        return self._apply(x, self.state, "state", False)
 
     def unnormalize_state(self, x: np.ndarray) -> np.ndarray:
-        return self._unnorm(x, self.state)
+        return self._apply(x, self.state, "state", True)
 
     def normalize_actions(self, a: np.ndarray) -> np.ndarray:
-        return self._norm(a, self.actions)
+        return self._apply(a, self.actions, "actions", False)
 
     def unnormalize_actions(self, a: np.ndarray) -> np.ndarray:
-        return self._unnorm(a, self.actions)
+        return self._apply(a, self.actions, "actions", True)
 
 
 def find_norm_stats(checkpoint_dir: str | Path, asset_id: str | None = None) -> Path:

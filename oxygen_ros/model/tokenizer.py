@@ -60,6 +60,10 @@ class Tokenizer:
             )
         self.bos_id = self._sp.bos_id()
 
+    def model_proto(self) -> bytes:
+        """The SentencePiece model, as a .model file holds it."""
+        return self._sp.serialized_model_proto()
+
     @property
     def vocab_size(self) -> int:
         return self._sp.vocab_size()
@@ -119,8 +123,8 @@ def discretize_state(state: Sequence[float] | np.ndarray) -> np.ndarray:
 
 
 def action_prompt(task: str, state: Sequence[float] | np.ndarray) -> str:
-    """pi0.5's prefix text. `state` is already normalised and, as openpi's robot inputs and
-    LeRobot do, zero-padded to the model's action_dim, so every state dim gets a bin."""
+    """pi0.5's prefix text. `state` is already normalised and has the robot's own dims:
+    openpi's robot transforms and LeRobot (>= 0.5) bin the state before any padding."""
     bins = " ".join(str(int(b)) for b in discretize_state(np.ravel(state)))
     return f"Task: {clean_task(task)}, State: {bins};\nAction: "
 

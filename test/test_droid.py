@@ -1,0 +1,210 @@
+"""The DROID profile against openpi's DROID client and DROID's controller, restated here
+from their public code: examples/droid/main.py (openpi) and FrankaRobot.create_action_dict
+with RobotIKSolver (droid-dataset/droid), and PickNik's ros2_robotiq_gripper for the
+knuckle joint. The shipped config/droid.yaml is what is checked."""
+import pathlib
+import random
+
+import numpy as np
+import pytest
+import yaml
+
+from oxygen_ros.profiles import Droid, make_profile
+
+CONFIG = pathlib.Path(__file__).resolve().parents[1] / 'config' / 'droid.yaml'
+
+# Franka Panda joint limits (rad), to draw realistic states from.
+Q_LOW = np.array([-2.8973, -1.7628, -2.8973, -3.0718, -2.8973, -0.0175, -2.8973])
+Q_HIGH = np.array([2.8973, 1.7628, 2.8973, -0.0698, 2.8973, 3.7525, 2.8973])
+# PickNik's driver: knuckle angle = closed position * (register - 3) / 227.
+KNUCKLE_CLOSED = 0.7929
+REG_OPEN, REG_CLOSED = 3, 230
+
+
+def shipped_profile():
+    params = yaml.safe_load(CONFIG.read_text())['/**']['ros__parameters']
+    assert params['robot'] == 'droid'
+    return make_profile(params['robot'], **yaml.safe_load(params['profile_options']))
+
+
+def test_rcl_reads_the_same_profile_options():
+    # The node gets profile_options from rcl's YAML parser, not PyYAML: the folded string
+    # must come through whole.
+    rclpy = pytest.importorskip('rclpy')
+    from rclpy.node import Node
+
+    context = rclpy.Context()
+    rclpy.init(args=['--ros-args', '--params-file', str(CONFIG)], context=context,
+               domain_id=random.randint(120, 220))
+    try:
+        node = Node('droid_params', context=context,
+                    automatically_declare_parameters_from_overrides=True)
+        value = node.get_parameter('profile_options').value
+        node.destroy_node()
+    finally:
+        rclpy.shutdown(context=context)
+    params = yaml.safe_load(CONFIG.read_text())['/**']['ros__parameters']
+    assert value == params['profile_options']
+
+
+def openpi_client(row):
+    """examples/droid/main.py: the first 8 dims, gripper to 1 above 0.5 else 0, clip all."""
+    action = np.array(row[:8], dtype=np.float64)
+    action[-1] = 1.0 if action[-1] > 0.5 else 0.0
+    return np.clip(action, -1, 1)
+
+
+def droid_controller(action, joints):
+    """create_action_dict for joint_velocity with a gripper position: the joint target from
+    the measured joints and the gripper command in DROID's 0 (open) .. 1 (closed)."""
+    v = np.array(action[:-1], dtype=np.float64)
+    # joint_velocity_to_delta: 0.2 rad per step on every joint, the vector scaled into range.
+    peak = np.max(np.abs(v) / (np.full(7, 0.2) / 0.2))
+    if peak > 1:
+        v = v / peak
+    return np.asarray(joints) + v * 0.2, float(np.clip(action[-1], 0, 1))
+
+
+def knuckle_from_droid(g):
+    """The knuckle angle the driver reports for DROID's gripper value g, taking the position
+    register as linear in finger width (register 3 fully open, 230 fully closed)."""
+    register = REG_OPEN + (REG_CLOSED - REG_OPEN) * g
+    return KNUCKLE_CLOSED * (register - REG_OPEN) / (REG_CLOSED - REG_OPEN)
+
+
+def random_case(rng):
+    q = rng.uniform(Q_LOW, Q_HIGH)
+    knuckle = KNUCKLE_CLOSED * rng.uniform()
+    chunk = rng.normal(0.0, 0.7, size=(15, 32))  # pi05_droid: 15 actions, 32 padded dims
+    chunk[:, 7] = rng.uniform(-0.3, 1.3, size=15)
+    return np.concatenate([q, [knuckle]]), chunk
+
+
+def test_shipped_config_gives_droids_first_target():
+    p = shipped_profile()
+    rng = np.random.default_rng(14)
+    cases = [random_case(rng) for _ in range(64)]
+    cases[0][1][0, 7] = 0.5  # exactly at the threshold: openpi sends 0
+    sent = []
+    for state, chunk in cases:
+        joints, gripper = droid_controller(openpi_client(chunk[0]), state[:7])
+        out = p.decode_actions(chunk, state)
+        np.testing.assert_allclose(out[0, :7], joints, rtol=0, atol=1e-9)
+        assert out[0, 7] == pytest.approx(knuckle_from_droid(gripper), abs=1e-9)
+        # Re-anchored on the frame's own joints, the first target is the same.
+        np.testing.assert_allclose(p.reanchor(chunk, state, 0)[0], out[0], rtol=0, atol=1e-12)
+        sent.append(gripper)
+    assert set(sent) == {0.0, 1.0} and sent[0] == 0.0
+    # The draws do exercise the clipping: some velocities were outside [-1, 1].
+    assert max(np.abs(c[0, :7]).max() for _, c in cases) > 1
+
+
+def test_shipped_config_state_gripper_is_droids():
+    # DROID observes 1 - width / max width; the driver reports the register as an angle.
+    p = shipped_profile()
+    rng = np.random.default_rng(3)
+    for register in [3, 50, 117, 200, 230]:
+        q = rng.uniform(Q_LOW, Q_HIGH)
+        knuckle = KNUCKLE_CLOSED * (register - REG_OPEN) / (REG_CLOSED - REG_OPEN)
+        s = p.encode_state(np.concatenate([q, [knuckle]]))
+        np.testing.assert_array_equal(s[:7], q)
+        assert s[7] == pytest.approx((register - REG_OPEN) / (REG_CLOSED - REG_OPEN), abs=1e-12)
+
+
+def run_lagging_arm(profile, state, chunk, reach, reanchored):
+    """DROID's loop on an arm that covers only `reach` of the way to each target per step.
+    Returns the targets the profile gives, DROID's targets and the measured joints."""
+    q = state[:7].copy()
+    open_loop = profile.decode_actions(chunk, state)
+    ours, droids, measured = [], [], []
+    for i in range(len(chunk)):
+        measured.append(q.copy())
+        target, _ = droid_controller(openpi_client(chunk[i]), q)
+        droids.append(target)
+        if reanchored:
+            now = np.concatenate([q, state[7:]])
+            ours.append(profile.reanchor(chunk, now, i)[0, :7])
+        else:
+            ours.append(open_loop[i, :7])
+        q = q + reach * (target - q)
+    return np.array(ours), np.array(droids), np.array(measured)
+
+
+@pytest.mark.parametrize('reach', [0.3, 0.7])
+def test_reanchored_targets_follow_droid_on_a_lagging_arm(reach):
+    p = shipped_profile()
+    state, chunk = random_case(np.random.default_rng(int(reach * 10)))
+    ours, droids, _ = run_lagging_arm(p, state, chunk, reach, reanchored=True)
+    np.testing.assert_allclose(ours, droids, rtol=0, atol=1e-12)
+
+
+def test_open_loop_runs_ahead_by_the_accumulated_lag():
+    p = Droid(velocity_scale=0.2, open_loop=True)
+    assert p.reanchor(np.zeros((3, 8)), np.zeros(8), 1) is None
+    state, chunk = random_case(np.random.default_rng(5))
+    ours, droids, measured = run_lagging_arm(p, state, chunk, 0.5, reanchored=False)
+    # Open loop: q0 + 0.2 sum v; DROID: q_measured + 0.2 v. They differ by how far the arm
+    # is behind the targets integrated so far.
+    steps = 0.2 * np.clip(chunk[:, :7], -1, 1)
+    behind = state[:7] + np.cumsum(steps, axis=0) - steps - measured
+    np.testing.assert_allclose(ours - droids, behind, rtol=0, atol=1e-12)
+    assert np.abs(behind[-1]).max() > 0.05
+    # An arm that reaches every target makes the two the same.
+    ours, droids, _ = run_lagging_arm(p, state, chunk, 1.0, reanchored=False)
+    np.testing.assert_allclose(ours, droids, rtol=0, atol=1e-12)
+
+
+def test_reanchor_extends_from_the_measured_joints_by_hand():
+    p = Droid()
+    a = np.array([[1.0] * 7 + [0.2], [0.5] * 7 + [0.7], [-2.0] * 7 + [0.9]])
+    measured = np.array([1.0, 0, 0, 0, 0, 0, 0, 0.5])
+    out = p.reanchor(a, measured, 1)
+    assert out.shape == (2, 8)
+    # From step 1 on: 1 + 0.2 * 0.5, then + 0.2 * (-1) (clipped); the gripper is absolute.
+    assert out[:, 0].tolist() == pytest.approx([1.1, 0.9])
+    assert out[:, 1].tolist() == pytest.approx([0.1, -0.1])
+    assert out[:, 7].tolist() == pytest.approx([0.7, 0.9])
+    assert p.reanchor(a, measured, 3).shape == (0, 8)
+    with pytest.raises(ValueError, match='first action 4 outside a 3-action chunk'):
+        p.reanchor(a, measured, 4)
+    with pytest.raises(ValueError, match='shape'):
+        p.reanchor(a, measured[:7], 0)
+
+
+def test_droids_own_velocity_limit_without_clipping():
+    # Unclipped, DROID's controller scales the whole vector so its largest component is 1.
+    p = Droid(clip_velocities=False)
+    a = np.array([[2.0, -1.0, 0.5, 0, 0, 0, 0, 0], [0.5, 0, 0, 0, 0, 0, 0, 0]])
+    out = p.decode_actions(a, np.zeros(8))
+    assert out[0, :3].tolist() == pytest.approx([0.2, -0.1, 0.05])
+    assert out[1, :3].tolist() == pytest.approx([0.3, -0.1, 0.05])
+    assert Droid().decode_actions(a, np.zeros(8))[0, :3].tolist() == pytest.approx(
+        [0.2, -0.2, 0.1])
+
+
+def test_delta_adds_the_joints_back_by_hand():
+    # openpi's joint-position configs: AbsoluteActions(make_bool_mask(7, -1)).
+    p = Droid(velocity=False, delta=True, gripper_closed=0.8)
+    state = np.array([0.1, -0.5, 0.2, -2.0, 0.3, 1.9, -0.7, 0.4])
+    a = np.zeros((2, 32))
+    a[0, :8] = [0.01, 0.02, -0.03, 0.04, 0.0, -0.05, 0.06, 0.25]
+    a[1, :8] = [-0.01, 0.0, 0.0, 0.1, 0.2, 0.0, 0.0, 1.0]
+    out = p.decode_actions(a, state)
+    assert out[0, :7].tolist() == pytest.approx([0.11, -0.48, 0.17, -1.96, 0.3, 1.85, -0.64])
+    assert out[1, :7].tolist() == pytest.approx([0.09, -0.5, 0.2, -1.9, 0.5, 1.9, -0.7])
+    # The gripper is not a delta: 0.25 and 1.0 of the 0.8 rad knuckle range.
+    assert out[:, 7].tolist() == pytest.approx([0.2, 0.8])
+    # Absolute positions would be off by exactly the joints.
+    absolute = Droid(velocity=False, gripper_closed=0.8).decode_actions(a, state)
+    np.testing.assert_allclose(out[:, :7] - absolute[:, :7], [state[:7]] * 2, atol=1e-15)
+    # Position targets are absolute already: nothing to re-anchor.
+    assert p.reanchor(a, state, 0) is None
+
+
+def test_option_conflicts_and_bad_actions():
+    with pytest.raises(ValueError, match='delta is for joint-position checkpoints'):
+        Droid(velocity=True, delta=True)
+    a = np.zeros((2, 8))
+    a[1, 7] = np.nan  # binarised, NaN would read as an open gripper
+    with pytest.raises(ValueError, match='non-finite actions'):
+        Droid(binarize_gripper=True).decode_actions(a, np.zeros(8))

@@ -1,0 +1,110 @@
+"""oxygen_sim_robot's joints: how they follow their targets, and the speed limit that makes
+the arm lag on purpose, checked by hand and over rclpy against the running process."""
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip('rclpy')
+
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import JointState  # noqa: E402
+from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint  # noqa: E402
+
+from oxygen_ros.sim_robot import follow  # noqa: E402
+
+
+def test_follow_by_hand():
+    q, target = np.array([0.0, 1.0]), np.array([1.0, -1.0])
+    # First order: dt / time_constant of the way there.
+    np.testing.assert_allclose(follow(q, target, 0.01, 0.05, 0.0), [0.2, 0.6])
+    # Never past the target when dt exceeds the time constant.
+    np.testing.assert_allclose(follow(q, target, 0.2, 0.05, 0.0), target)
+    # At most 3 units/s: 0.03 per 10 ms step, either direction.
+    np.testing.assert_allclose(follow(q, target, 0.01, 0.05, 3.0), [0.03, 0.97])
+    # Below the limit the limit changes nothing.
+    np.testing.assert_allclose(follow(q, target, 0.01, 0.05, 100.0), [0.2, 0.6])
+
+
+def env_for(domain):
+    env = dict(os.environ, ROS_DOMAIN_ID=domain, PYTHONUNBUFFERED='1',
+               RCUTILS_LOGGING_BUFFERED_STREAM='0')
+    env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
+    return env
+
+
+def sim_args(*params):
+    ros = ['--ros-args', '-p', 'joints:=[a, b]', '-p', 'output_groups:=[arm]',
+           '-p', 'outputs.arm.topic:=arm/joint_trajectory', '-p', 'outputs.arm.indices:=[0, 1]',
+           '-p', 'follow_time_s:=0.01', '-p', 'report_every_s:=60.0']
+    for p in params:
+        ros += ['-p', p]
+    return [sys.executable, '-m', 'oxygen_ros.sim_robot', *ros]
+
+
+def test_negative_speed_ends_with_one_line():
+    domain = str(random.randint(120, 220))
+    out = subprocess.run(sim_args('max_joint_speed:=-1.0'), capture_output=True, text=True,
+                         env=env_for(domain), timeout=60)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert '[oxygen_sim_robot] error: max_joint_speed must be >= 0, got -1.0' in out.stderr
+    assert 'Traceback' not in out.stderr
+
+
+def test_speed_limited_arm_lags_behind_its_target(tmp_path):
+    """A trajectory to +-10 units within 10 ms: the arm limited to 0.5 units/s moves no
+    faster than that between any two joint states it publishes (by their stamps, the sim's
+    step times), keeps moving, and is far from the target a second later."""
+    domain = str(random.randint(120, 220))
+    log = open(tmp_path / 'sim.log', 'w')
+    proc = subprocess.Popen(sim_args('max_joint_speed:=0.5'), stdout=log,
+                            stderr=subprocess.STDOUT, env=env_for(domain))
+    os.environ['ROS_DOMAIN_ID'] = domain
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node('lag_check', context=context)
+    states = []
+    node.create_subscription(
+        JointState, 'joint_states',
+        lambda m: states.append((m.header.stamp.sec + m.header.stamp.nanosec * 1e-9,
+                                 list(m.position))),
+        qos_profile_sensor_data)
+    pub = node.create_publisher(JointTrajectory, 'arm/joint_trajectory',
+                                QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    ex = SingleThreadedExecutor(context=context)
+    ex.add_node(node)
+    threading.Thread(target=ex.spin, daemon=True).start()
+    try:
+        end = time.monotonic() + 30
+        while (pub.get_subscription_count() == 0 or not states) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert states, (tmp_path / 'sim.log').read_text()
+        msg = JointTrajectory(joint_names=['a', 'b'])
+        msg.points = [JointTrajectoryPoint(positions=[10.0, -10.0])]
+        msg.points[0].time_from_start.nanosec = 10_000_000
+        pub.publish(msg)
+        time.sleep(1.0)
+        got = list(states)
+    finally:
+        ex.shutdown()
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
+    stamps = np.array([t for t, _ in got])
+    q = np.array([p for _, p in got])
+    assert len(got) > 20
+    # The stamps are taken a moment after the step's own clock reading: allow 10 ms of that.
+    slack = 0.5 * 0.01
+    moved = np.abs(np.diff(q, axis=0))
+    assert np.all(moved <= 0.5 * np.diff(stamps)[:, None] + slack), moved.max()
+    assert np.all(np.abs(q[-1] - q[0]) <= 0.5 * (stamps[-1] - stamps[0]) + slack)
+    assert q[-1, 0] > 0.1 and q[-1, 1] < -0.1  # moving toward the targets
+    assert q[-1, 0] < 5.0 and q[-1, 1] > -5.0  # and far behind them
