@@ -56,7 +56,7 @@ def question_costs(engine: Engine, question: str, repeats: int) -> dict:
 
         out = dict(prefill_ms=_median_ms(prefill, dev, repeats))
         out['denoise_ms'] = _median_ms(lambda: model.denoise(
-            kv, slice(shared, shared + 1), f.noise, engine.cfg.denoise_steps), dev, repeats)
+            kv, slice(shared, shared + 1), f.noise, engine.denoise_steps), dev, repeats)
         out['copy_row_ms'] = _median_ms(lambda: kv.copy_row(shared, row), dev, repeats)
         out['extension_ms'] = _median_ms(extension, dev, repeats)
         out['second_prefill_ms'] = _median_ms(second_prefill, dev, repeats)
