@@ -35,6 +35,7 @@ JOINTS = ARM + ['gripper']
 RATE = 70.0
 
 PARAMS = {
+    'autostart': True, 'allow_random_weights': True,
     'model': 'tiny', 'threads': 1, 'seed': 0,
     'robot': 'droid', 'profile_options': '{velocity: true}',
     'cameras': ['front', 'wrist'],
