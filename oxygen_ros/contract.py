@@ -78,7 +78,9 @@ PARAMS = (
     Param('denoise_steps', 10, 'flow-matching steps per action chunk', low=1),
     Param('decode_k', 5, 'narration decode steps per frame; 0 = fit the frame budget', low=0,
           live=True),
-    Param('frame_budget_ms', 0.0, 'time per frame; 0 = the chunk duration', low=0.0),
+    Param('frame_budget_ms', 0.0, 'time per frame (narration decoding fills what the actions '
+          'leave); 0 = half the chunk duration, so the next chunk is ready while this one '
+          'still plays', low=0.0),
     Param('max_requests', 8, 'narration requests decoded at once (KV cache slots)', low=1),
     Param('max_new_tokens', 30, 'tokens per narration request; live changes may only lower '
           'it below the value the KV cache was sized for at configure', low=1, live=True),
@@ -251,8 +253,10 @@ class Config:
     def engine_settings(self) -> dict:
         d = {k: self.p[k] for k in ENGINE_KEYS}
         d['mode'] = 'oxygen'
-        # The engine sizes its frame budget from the rate the chunk is played at.
-        d['control_rate_hz'] = 1.0 / self.action_period
+        # The engine's default budget is the chunk duration (action_horizon /
+        # control_rate_hz). A frame that long ends as its chunk runs out, and the robot holds
+        # until the next one: half of it leaves the other half for the latency of the next.
+        d['control_rate_hz'] = 2.0 / self.action_period
         return d
 
     def check_engine(self, slots, action_dim: int) -> None:

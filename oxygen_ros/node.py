@@ -6,15 +6,20 @@ What needs no ROS lives elsewhere: the parameter table and robot contract in con
 which points of a chunk to publish in playback.py, frame assembly in frames.py.
 
 Threads, and why:
-- subscription callbacks (executor) only store the latest sample, so they never wait on
-  the model; only the main camera wakes the engine thread;
+- the robot's inputs are not dispatched by the executor: an ALOHA publishes ~1200 messages/s
+  (two JointStates at 500 Hz, cameras at 60 Hz) and rclpy's executor spent 30% of a core
+  rebuilding wait sets for them (measured with per-thread CPU counters and py-spy), time
+  the model then lacked. Their subscriptions sit in a callback group no executor runs; the
+  control thread takes the joint states each tick and the engine thread the newest image
+  of each camera before each frame, so unused images are never even converted;
 - the engine thread builds a frame from the latest samples and runs engine.step; its
   action chunk is handed to the player as soon as it exists, before language decoding;
 - the control thread asks the player what to publish at control_rate_hz. It sleeps to
   absolute deadlines instead of being an executor timer: on two cores a Python executor
-  dispatching hundreds of callbacks/s next to the model delayed timer callbacks by tens of
-  ms (measured). Under use_sim_time control is a timer on the node's clock instead;
-- a diagnostics timer (executor) reports rates, latencies and counted problems.
+  next to the model delayed timer callbacks by tens of ms (measured). Under use_sim_time
+  control is a timer on the node's clock instead, so it follows /clock;
+- the executor runs the lifecycle and parameter services, ~/prompt, ~/narrate and the
+  diagnostics timer.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from rcl_interfaces.msg import (
     ParameterDescriptor,
     SetParametersResult,
 )
+from rclpy.callback_groups import CallbackGroup
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 
 from oxygen_ros.contract import (
@@ -69,6 +75,31 @@ def duration(dt: float):
     return Duration(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
 
 
+class Polled(CallbackGroup):
+    """Subscriptions the node's own threads take from (see take()); no executor runs them."""
+
+    def can_execute(self, entity) -> bool:
+        return False
+
+    def beginning_execution(self, entity) -> bool:
+        return False
+
+    def ending_execution(self, entity) -> None:
+        pass
+
+
+def take(sub) -> int:
+    """Run the callback of `sub` on every message waiting, oldest first; returns how many."""
+    n = 0
+    while True:
+        with sub.handle:
+            got = sub.handle.take_message(sub.msg_type, sub.raw)
+        if got is None:
+            return n
+        sub.callback(got[0])
+        n += 1
+
+
 class OxygenNode(LifecycleNode):
     """Declares and checks every parameter at construction, so a wrong one is a start-up
     error whichever lifecycle transition would read it first."""
@@ -80,7 +111,6 @@ class OxygenNode(LifecycleNode):
         self._lock = threading.Lock()
         self._tick_lock = threading.Lock()
         self._stop = threading.Event()  # ends the engine and control threads
-        self._wake = threading.Event()
         self._active = False  # chunks from the engine are played only while True
         self._threads: list[threading.Thread] = []
         self._ros: list = []  # subscriptions, publishers and timers made by configure
@@ -269,7 +299,6 @@ class OxygenNode(LifecycleNode):
             self._stop_commanding(why)
             self._tick()  # publish the hold now, not at the next control period
         self._stop.set()
-        self._wake.set()
         if self._timer is not None:
             self._timer.destroy()
             self._timer = None
@@ -284,11 +313,10 @@ class OxygenNode(LifecycleNode):
 
     # -- ROS interface ---------------------------------------------------------------------
 
-    def _qos(self, choice: str, depth: int = 5):
-        from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+    def _qos(self, choice: str, depth: int):
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-        if choice == 'sensor_data':
-            return qos_profile_sensor_data
+        # sensor_data is best effort, like rclpy's qos_profile_sensor_data.
         rel = ReliabilityPolicy.RELIABLE if choice == 'reliable' else ReliabilityPolicy.BEST_EFFORT
         return QoSProfile(depth=depth, reliability=rel)
 
@@ -303,14 +331,18 @@ class OxygenNode(LifecycleNode):
 
         cfg = self.cfg
         sub = self.create_subscription
-        self._ros = [sub(Image, topic, lambda m, c=cam: self._on_image(c, m),
-                         self._qos(cfg.p['image_qos']))
-                     for cam, topic in cfg.cameras.items()]
-        self._ros += [sub(JointState, topic, lambda m, s=src: self._on_joints(s, m),
-                          self._qos(cfg.p['joint_qos'], 10))
-                      for src, topic in cfg.joint_topics.items()]
-        self._ros += [sub(String, '~/prompt', self._on_prompt, 10),
-                      sub(Empty, '~/narrate', self._on_narrate, 10)]
+        polled = Polled()
+        # Only the newest image of a camera is ever used; joint states are taken every
+        # control tick, and 50 deep holds 0.1 s of a 500 Hz stream should a tick run late.
+        self._image_subs = [sub(Image, topic, lambda m, c=cam: self._on_image(c, m),
+                                self._qos(cfg.p['image_qos'], 1), callback_group=polled)
+                            for cam, topic in cfg.cameras.items()]
+        self._joint_subs = [sub(JointState, topic, lambda m, s=src: self._on_joints(s, m),
+                                self._qos(cfg.p['joint_qos'], 50), callback_group=polled)
+                            for src, topic in cfg.joint_topics.items()]
+        self._ros = [*self._image_subs, *self._joint_subs,
+                     sub(String, '~/prompt', self._on_prompt, 10),
+                     sub(Empty, '~/narrate', self._on_narrate, 10)]
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.traj_pubs = {g.name: self.create_publisher(JointTrajectory, g.topic, reliable)
                           for g in cfg.groups}
@@ -367,8 +399,6 @@ class OxygenNode(LifecycleNode):
         if t is None:
             return
         self.assembler.put(cam, msg, t)
-        if cam in self.assembler.trigger:
-            self._wake.set()
 
     def _on_joints(self, src: str, msg):
         topic = self.cfg.joint_topics[src]
@@ -447,18 +477,25 @@ class OxygenNode(LifecycleNode):
 
     def _run(self):
         frames = 0
+        checked = 0.0
         while not self._stop.is_set():
-            self._wake.wait(0.1)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
+            for sub in self._image_subs:
+                take(sub)
             now = self._now()
+            # Staleness is checked every 50 ms even when nothing new came.
+            if not self.assembler.fresh() and time.monotonic() - checked < 0.05:
+                self._stop.wait(0.002)
+                continue
+            checked = time.monotonic()
             frame, why = self.assembler.ready(now)
             if frame is None:
-                if not why.startswith('no new input'):
+                if why.startswith('no new input'):
+                    self._stop.wait(0.002)
+                else:
                     self.reporter.report(problem_key('frame', why), f'no frame: {why}')
                     if 'stale' in why or 'missing' in why:
                         self._stop_commanding(f'inputs: {why}')
+                    self._stop.wait(0.002)
                 continue
             try:
                 obs, state = self._observation(frame)
@@ -538,6 +575,8 @@ class OxygenNode(LifecycleNode):
             if self._active:
                 self.player.play(chunk)
         self._stats['chunks'] += 1
+        self._latency.append(self._now() - stamp)
+        self._chunk_times.append(time.monotonic())
         if self.predicted_pub is not None:
             self._publish_predicted(chunk)
 
@@ -617,6 +656,8 @@ class OxygenNode(LifecycleNode):
 
     def _tick(self):
         with self._tick_lock:
+            for sub in self._joint_subs:
+                take(sub)
             t = self._tick_clock()
             period = 1.0 / self.cfg.p['control_rate_hz']
             if self._ticks:
@@ -680,6 +721,8 @@ class OxygenNode(LifecycleNode):
         self._ticks = collections.deque(maxlen=2000)  # tick times
         self._gaps = collections.deque(maxlen=2000)
         self._publishes = collections.deque(maxlen=2000)
+        self._latency = collections.deque(maxlen=500)  # frame stamp -> its chunk, s
+        self._chunk_times = collections.deque(maxlen=500)
 
     def summary(self) -> dict:
         """Everything /diagnostics reports, as plain numbers."""
@@ -691,6 +734,14 @@ class OxygenNode(LifecycleNode):
         period = 1.0 / self.cfg.p['control_rate_hz']
         s['tick_jitter_ms_p99'] = float(np.percentile(np.abs(gaps - period), 99) * 1e3)
         s['tick_gap_ms_max'] = float(gaps.max() * 1e3)
+        # How late chunks come (the part of each chunk already in the past) and how far
+        # apart: together they say whether a chunk lasts until the next.
+        lat = np.array(list(self._latency) or [0.0])
+        s['action_latency_ms_p50'] = float(np.percentile(lat, 50) * 1e3)
+        s['action_latency_ms_p99'] = float(np.percentile(lat, 99) * 1e3)
+        apart = np.diff(list(self._chunk_times)) if len(self._chunk_times) > 1 else [0.0]
+        s['chunk_interval_ms_p99'] = float(np.percentile(apart, 99) * 1e3)
+        s['chunk_ms'] = 1e3 * self.cfg.action_period * self.engine.action_horizon
         s.update(self._stats)
         r = self.reporter
         s['dropped_images'] = r.count('image:')
