@@ -139,6 +139,9 @@ class Assembler:
         used = {n: min(held[n], key=lambda s: abs(s.stamp - anchor)) for n in usable}
         skew = self._skew(used)
         if skew:
+            with self._lock:
+                # The same samples stay skewed: look again when a trigger input has news.
+                self._taken = seq
             return None, skew
         values = {n: None for n in self.optional}
         values.update({n: s.value for n, s in used.items()})

@@ -198,6 +198,10 @@ class OxygenNode(LifecycleNode):
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    @property
+    def state(self) -> str:
+        return self._state_machine.current_state[1]
+
     def on_configure(self, state) -> TransitionCallbackReturn:
         try:
             self._configure()
@@ -459,6 +463,9 @@ class OxygenNode(LifecycleNode):
     # -- engine thread ---------------------------------------------------------------------
 
     def _start_threads(self):
+        # What came while inactive, so the first frame is not judged on old readings.
+        for sub in self._joint_subs:
+            take(sub)
         self._threads = [threading.Thread(target=self._run, name='engine', daemon=True)]
         if self.get_parameter('use_sim_time').value:
             # Simulated time: a timer on the node's clock in its own callback group, so
@@ -495,7 +502,8 @@ class OxygenNode(LifecycleNode):
                     self.reporter.report(problem_key('frame', why), f'no frame: {why}')
                     if 'stale' in why or 'missing' in why:
                         self._stop_commanding(f'inputs: {why}')
-                    self._stop.wait(0.002)
+                        # Until something comes back, checking every 50 ms is enough.
+                        self._stop.wait(0.05)
                 continue
             try:
                 obs, state = self._observation(frame)
@@ -831,7 +839,7 @@ def main(args=None):
                           f'set {node.get_fully_qualified_name()} configure, then activate)')
         # Callbacks only store samples, so one executor thread keeps up; control and the
         # model have their own threads. spin_once returns often enough to see a signal.
-        while not signals and rclpy.ok():
+        while not signals and rclpy.ok() and node.state != 'finalized':
             executor.spin_once(timeout_sec=0.1)
     except StartError as e:
         # A configuration mistake, not a bug: one clear line, no traceback.
@@ -839,10 +847,14 @@ def main(args=None):
         code = 1
     finally:
         if node is not None:
-            if node._state_machine.current_state[1] in ('unconfigured', 'inactive', 'active'):
+            if node.state in ('unconfigured', 'inactive', 'active'):
                 node.trigger_shutdown()
             node.destroy_node()
         rclpy.try_shutdown()
+        # Python puts the default handlers back while it exits, and a signal then would kill
+        # the process (exit code -2); from here on there is nothing left to stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if code:
         sys.exit(code)
 
