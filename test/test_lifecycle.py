@@ -4,16 +4,22 @@ joint states, and every trajectory received on both output topics.
 
 The tests run in order on one node process (configure, activate, the stop causes, ...).
 """
+import importlib.util
+import os
+import pathlib
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import yaml
 
 rclpy = pytest.importorskip('rclpy')
+ament = pytest.importorskip('ament_index_python.packages')
 pytest.importorskip('oxygen_ros.msg', reason='oxygen_ros.msg exists only in a colcon build '
                     '(make test)')
 
@@ -306,3 +312,35 @@ def test_node_started_without_autostart_stays_unconfigured_on_sigterm(tmp_path, 
     assert proc.returncode == 0, out
     assert 'unconfigured: waiting for lifecycle transitions' in out
     assert 'Traceback' not in out
+
+
+@pytest.mark.skipif(shutil.which('ros2') is None or importlib.util.find_spec('launch_ros') is None,
+                    reason='ros2 launch is not installed (see shared/ros-overlay)')
+def test_ros2_launch_survives_a_second_sigint(tmp_path, domain):
+    """Ctrl-C twice in a terminal: the whole process group gets SIGINT twice, the nodes
+    while they are already shutting down."""
+    share = pathlib.Path(ament.get_package_share_directory('oxygen_ros'))
+    sim = yaml.safe_load((share / 'config' / 'sim.yaml').read_text())
+    sim['/**']['ros__parameters'].update(model='tiny', image_width=64, image_height=48)
+    params = tmp_path / 'sim_tiny.yaml'
+    params.write_text(yaml.safe_dump(sim))
+    log = tmp_path / 'launch.log'
+    with open(log, 'w') as out:
+        proc = subprocess.Popen(
+            ['ros2', 'launch', 'oxygen_ros', 'pi05.launch.py', 'robot:=sim', 'sim:=true',
+             f'params_file:={params}', 'device:=cpu'],
+            stdout=out, stderr=subprocess.STDOUT, env=node_env(domain), start_new_session=True)
+        try:
+            assert wait_for(lambda: 'active: commanding' in log.read_text(), 90), log.read_text()
+            time.sleep(1.0)
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert 'Traceback' not in text and 'KeyboardInterrupt' not in text, text[-3000:]
+    assert text.count('process has finished cleanly') == 2, text[-3000:]
