@@ -136,9 +136,10 @@ class OxygenNode(LifecycleNode):
         elif p.type == 'float' and p.low is not None:
             desc.floating_point_range = [FloatingPointRange(from_value=float(p.low),
                                                             to_value=1e300)]
+        # Our message, naming the rule broken, before rclpy's range check on the override.
         override = self._parameter_overrides.get(name)
         if override is not None:
-            coerce(name, override.value, p)  # our message before rclpy's range check
+            coerce(name, override.value, p)
         try:
             self.declare_parameter(name, p.default, desc)
             return self.get_parameter(name).value
@@ -151,9 +152,10 @@ class OxygenNode(LifecycleNode):
         values = {p.name: self._declare(p.name, p) for p in PARAMS}
         groups = coerce('output_groups', values['output_groups'], BY_NAME['output_groups'])
         for g in groups:
+            if not re.fullmatch(r'[A-Za-z][A-Za-z0-9_]*', g):
+                continue  # not a parameter name: Config says so below
             for p in GROUP_PARAMS:
-                if re.fullmatch(r'[A-Za-z][A-Za-z0-9_]*', g):
-                    values[f'outputs.{g}.{p.name}'] = self._declare(f'outputs.{g}.{p.name}', p)
+                values[f'outputs.{g}.{p.name}'] = self._declare(f'outputs.{g}.{p.name}', p)
         # ROS drops a command-line -p value whose type differs from a params file's, so the
         # command line is checked on its own too.
         table = {p.name: p for p in PARAMS}
@@ -164,11 +166,10 @@ class OxygenNode(LifecycleNode):
         return Config.from_values(values)
 
     def _on_set_parameters(self, params) -> SetParametersResult:
-        names = {p.name for p in PARAMS} | {n for n in self._parameters if n.startswith('outputs.')}
         checked = {}
         for param in params:
-            if param.name not in names:
-                continue  # rclpy's own (use_sim_time...)
+            if param.name not in BY_NAME:
+                continue  # rclpy's own (use_sim_time); outputs.* are read-only
             try:
                 checked[param.name] = self.cfg.check_live(param.name, param.value)
             except StartError as e:
