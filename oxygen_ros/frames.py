@@ -172,6 +172,47 @@ class Assembler:
         return None
 
 
+class JointReadings:
+    """The latest reading of each joint of one JointState source, and when it was read.
+
+    Drivers may split a source over several messages or stop sending some joints; merging
+    keeps every joint's last value, and the readings count as old as their oldest wanted
+    joint, so a joint that stops coming makes the source stale instead of frozen.
+    """
+
+    def __init__(self, wanted: Iterable[str], keep: Iterable[str] = ()):
+        self.wanted = set(wanted)
+        self.keep = self.wanted | set(keep)  # also read, e.g. a controller joint for a hold
+        self._values: dict[str, float] = {}
+        self._stamps: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def update(self, readings: Mapping[str, float], stamp: float) -> tuple[dict, float]:
+        """Take the joints of `readings` read at `stamp`; returns (every value held, the
+        stamp of the oldest wanted joint)."""
+        with self._lock:
+            for name, x in readings.items():
+                if name in self.keep:
+                    self._values[name] = float(x)
+                    self._stamps[name] = stamp
+            seen = [self._stamps[n] for n in self.wanted if n in self._stamps]
+            return dict(self._values), min(seen) if seen else stamp
+
+    def gone(self, now: float, max_age: float) -> list[str]:
+        """Wanted joints last read more than max_age before `now`, sorted."""
+        with self._lock:
+            return sorted(n for n in self.wanted
+                          if n in self._stamps and now - self._stamps[n] > max_age)
+
+    def get(self, name: str) -> float | None:
+        with self._lock:
+            return self._values.get(name)
+
+    def values(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)
+
+
 def check_image(encoding: str, height: int, width: int, step: int, size: int) -> int:
     """Raise ValueError unless the image header describes a convertible buffer; returns the
     channel count. Cheap enough to run in a subscription callback."""

@@ -53,7 +53,7 @@ from oxygen_ros.contract import (
     command_line_params,
     prompt_problem,
 )
-from oxygen_ros.frames import Reporter, image_problem, image_to_rgb
+from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_rgb
 from oxygen_ros.playback import Command, Player, make_chunk
 
 SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
@@ -261,13 +261,11 @@ class OxygenNode(LifecycleNode):
         self.assembler = cfg.assembler()
         self.player = Player(cfg.p['max_command_horizon'], cfg.p['play_steps'],
                              hold_after=1.0 / cfg.p['control_rate_hz'])
-        # Joint names read from each source: the state's, and the controllers' joints for a
-        # hold at measured positions.
-        self._keep = {s: set(w) for s, w in cfg.wanted.items()}
-        for src, joint in cfg.hold_sources.values():
-            self._keep[src].add(joint)
-        self._readings = {s: {} for s in cfg.joint_topics}
-        self._seen = {s: {} for s in cfg.joint_topics}  # joint -> stamp it was last read
+        # Each source's state joints, and the controllers' joints for a hold at measured
+        # positions.
+        self._readings = {s: JointReadings(w, [j for src, j in cfg.hold_sources.values()
+                                               if src == s])
+                          for s, w in cfg.wanted.items()}
         self._last_target = np.full(cfg.profile.action_dim, np.nan)
         try:
             self.engine = Engine(EngineConfig.from_dict(cfg.engine_settings()))
@@ -413,37 +411,29 @@ class OxygenNode(LifecycleNode):
                                  f'{topic}: {len(names)} names but {len(positions)} '
                                  'positions; message dropped')
             return
-        keep, wanted = self._keep[src], self.cfg.wanted[src]
-        got = {n: x for n, x in zip(names, positions, strict=True) if n in keep}
+        readings = self._readings[src]
+        got = {n: x for n, x in zip(names, positions, strict=True) if n in readings.keep}
         bad = sorted(n for n, x in got.items() if not math.isfinite(x))
         if bad:
             self.reporter.report(f'joints:{src}:nonfinite:{bad}',
                                  f'{topic}: joints {", ".join(bad)} read NaN/inf; message '
                                  'dropped, the last good readings are kept')
             return
-        if wanted.isdisjoint(got):
+        if readings.wanted.isdisjoint(got):
             self.reporter.report(f'joints:{src}:unknown',
                                  f'{topic}: none of the joints {list(names)} are used; '
-                                 f'expected {sorted(wanted)}')
+                                 f'expected {sorted(readings.wanted)}')
             return
         t = self._stamp(msg.header, topic)
         if t is None:
             return
-        with self._lock:
-            readings, seen = self._readings[src], self._seen[src]
-            readings.update(got)
-            for n in got:
-                seen[n] = t
-            merged = dict(readings)
-            # The readings are as old as their oldest joint: one the topic stopped carrying
-            # makes them stale like a camera that stopped.
-            oldest = min(seen[n] for n in wanted if n in seen)
-        if t - oldest > self.cfg.p['max_input_age']:
-            gone = sorted(n for n in wanted if n in seen and t - seen[n] > self.cfg.p[
-                'max_input_age'])
-            self.reporter.report(f'joints:{src}:dropped', f'{topic}: joints {", ".join(gone)} '
-                                 f'missing from its messages for {(t - oldest) * 1e3:.0f} ms '
-                                 f'(limit {self.cfg.p["max_input_age"] * 1e3:.0f} ms): stale')
+        merged, oldest = readings.update(got, t)
+        limit = self.cfg.p['max_input_age']
+        if t - oldest > limit:
+            self.reporter.report(f'joints:{src}:dropped', f'{topic}: joints '
+                                 f'{", ".join(readings.gone(t, limit))} missing from its '
+                                 f'messages for {(t - oldest) * 1e3:.0f} ms (limit '
+                                 f'{limit * 1e3:.0f} ms): stale')
         self.assembler.put(f'joints:{src}', merged, oldest)
 
     def _on_prompt(self, msg):
@@ -640,8 +630,7 @@ class OxygenNode(LifecycleNode):
             self._tick()
 
     def _measured(self) -> np.ndarray | None:
-        with self._lock:
-            readings = {s: dict(r) for s, r in self._readings.items()}
+        readings = {s: r.values() for s, r in self._readings.items()}
         try:
             return self.cfg.joint_map.vector(readings)
         except ValueError:
@@ -651,16 +640,14 @@ class OxygenNode(LifecycleNode):
         """Per action index, the last measured position of the joint it drives; where the
         controller's joint is not measured, the last commanded position."""
         out = self._last_target.copy()
-        with self._lock:
-            for i, (src, joint) in self.cfg.hold_sources.items():
-                x = self._readings[src].get(joint)
-                if x is not None:
-                    out[i] = x
-                else:
-                    self.reporter.report(f'hold:unmeasured:{src}/{joint}', f'no measured '
-                                         f'position of {joint} on '
-                                         f'{self.cfg.joint_topics[src]}: holding it at the '
-                                         'last command')
+        for i, (src, joint) in self.cfg.hold_sources.items():
+            x = self._readings[src].get(joint)
+            if x is not None:
+                out[i] = x
+            else:
+                self.reporter.report(f'hold:unmeasured:{src}/{joint}', f'no measured position '
+                                     f'of {joint} on {self.cfg.joint_topics[src]}: holding it '
+                                     'at the last command')
         return out
 
     def _tick(self):
