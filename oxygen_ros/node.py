@@ -564,11 +564,15 @@ class OxygenNode(LifecycleNode):
                                  'not commanding this chunk')
             self._stop_commanding('model failure: NaN/inf actions')
             return
-        # A profile whose targets are relative to the robot (velocities) re-anchors the
-        # chunk on the latest measured state at every tick.
+        # A profile whose targets are relative to where the robot is (DROID's velocities)
+        # re-anchors the chunk on the latest measured state at every tick. Its
+        # reanchor(actions, measured, first) returns None when its options make targets
+        # absolute, so one call on the frame's own state tells.
         anchor = getattr(profile, 'reanchor', None)
-        reanchor = (None if anchor is None else
-                    lambda first, measured, a=actions: anchor(a, first, measured))
+        reanchor = None
+        if anchor is not None and anchor(actions, measured=state, first=0) is not None:
+            def reanchor(first, measured, a=actions):
+                return anchor(a, measured=measured, first=first)
         chunk = make_chunk(stamp, self.cfg.action_period, targets, actions, state, reanchor)
         with self._lock:
             if self._active:
