@@ -140,6 +140,9 @@ class Assembler:
         used = {n: min(held[n], key=lambda s: abs(s.stamp - anchor)) for n in usable}
         skew = self._skew(used)
         if skew:
+            with self._lock:
+                # The same samples stay skewed: look again when a trigger input has news.
+                self._taken = seq
             return None, skew
         values = {n: None for n in self.optional}
         values.update({n: s.value for n, s in used.items()})
@@ -168,6 +171,47 @@ class Assembler:
                 f'(limit {self.max_skew * 1e3:.0f} ms)'
             )
         return None
+
+
+class JointReadings:
+    """The latest reading of each joint of one JointState source, and when it was read.
+
+    Drivers may split a source over several messages or stop sending some joints; merging
+    keeps every joint's last value, and the readings count as old as their oldest wanted
+    joint, so a joint that stops coming makes the source stale instead of frozen.
+    """
+
+    def __init__(self, wanted: Iterable[str], keep: Iterable[str] = ()):
+        self.wanted = set(wanted)
+        self.keep = self.wanted | set(keep)  # also read, e.g. a controller joint for a hold
+        self._values: dict[str, float] = {}
+        self._stamps: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def update(self, readings: Mapping[str, float], stamp: float) -> tuple[dict, float]:
+        """Take the joints of `readings` read at `stamp`; returns (every value held, the
+        stamp of the oldest wanted joint)."""
+        with self._lock:
+            for name, x in readings.items():
+                if name in self.keep:
+                    self._values[name] = float(x)
+                    self._stamps[name] = stamp
+            seen = [self._stamps[n] for n in self.wanted if n in self._stamps]
+            return dict(self._values), min(seen) if seen else stamp
+
+    def gone(self, now: float, max_age: float) -> list[str]:
+        """Wanted joints last read more than max_age before `now`, sorted."""
+        with self._lock:
+            return sorted(n for n in self.wanted
+                          if n in self._stamps and now - self._stamps[n] > max_age)
+
+    def get(self, name: str) -> float | None:
+        with self._lock:
+            return self._values.get(name)
+
+    def values(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)
 
 
 # Bytes per pixel of the colour encodings only cv_bridge converts to RGB (its

@@ -1,140 +1,62 @@
 """The ROS 2 node: robot topics in, joint trajectories and narration out.
 
+A lifecycle node (configure: check parameters, load the model, create topics; activate:
+command the robot; deactivate / cleanup / shutdown: stop, holding the robot where it is).
+What needs no ROS lives elsewhere: the parameter table and robot contract in contract.py,
+which points of a chunk to publish in playback.py, frame assembly in frames.py.
+
 Threads, and why:
-- subscription callbacks (executor) only store the latest sample, so they never wait on
-  the model;
+- the robot's inputs are not dispatched by the executor: an ALOHA publishes ~1200 messages/s
+  (two JointStates at 500 Hz, cameras at 60 Hz) and rclpy's executor spent 30% of a core
+  rebuilding wait sets for them (measured with per-thread CPU counters and py-spy), time
+  the model then lacked. Their subscriptions sit in a callback group no executor runs; the
+  control thread takes the joint states each tick and the engine thread the newest image
+  of each camera before each frame, so unused images are never even converted;
 - the engine thread builds a frame from the latest samples and runs engine.step; its
-  action chunk is handed over as soon as it exists, before language decoding;
-- the control thread publishes what is left of the current chunk at control_rate_hz,
-  shifted so that action i lands at frame time + i action periods. It sleeps to absolute
-  deadlines instead of being an executor timer: on two cores a Python executor dispatching
-  ~200 callbacks/s next to the model delayed timer callbacks by tens of ms (measured).
-  Under use_sim_time control is a timer on the node's clock instead, so it follows /clock;
-- a diagnostics timer (executor) reports rates, latencies and counted problems.
+  action chunk is handed to the player as soon as it exists, before language decoding;
+- the control thread asks the player what to publish at control_rate_hz. It sleeps to
+  absolute deadlines instead of being an executor timer: on two cores a Python executor
+  next to the model delayed timer callbacks by tens of ms (measured). Under use_sim_time
+  control is a timer on the node's clock instead, so it follows /clock;
+- the executor runs the lifecycle and parameter services, ~/prompt, ~/narrate and the
+  diagnostics timer.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 import re
+import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
-import yaml
-
-from oxygen_ros.frames import Assembler, Reporter, image_problem, image_to_rgb
-from oxygen_ros.profiles import JointMap, make_profile
-
-QOS_CHOICES = ('sensor_data', 'reliable', 'best_effort')
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    default: object  # None: no default; the empty list of `kind`
-    description: str
-    kind: str = ''  # 'str' / 'int' / 'float' / 'bool' / 'str[]' / 'int[]'; '' = from default
-
-
-# Every parameter the node reads, in one place. Output groups add
-# outputs.<group>.{topic,joints,indices} for each name in output_groups.
-PARAMS = (
-    # model and engine
-    Param('model', 'small', "model config: 'tiny', 'small', 'pi05' or a YAML path"),
-    Param('checkpoint', '', "checkpoint directory or safetensors file; '' = random weights"),
-    Param('tokenizer', '', "SentencePiece model; '' = the built-in tokenizer"),
-    Param('device', 'cpu', "'cpu' or 'cuda'"),
-    Param('threads', 1, 'torch threads; keep below the core count so control keeps time'),
-    Param('denoise_steps', 10, 'flow-matching steps per action chunk'),
-    Param('decode_k', 5, 'narration decode steps per frame; 0 = fit the frame budget'),
-    Param('frame_budget_ms', 0.0, 'time per frame; 0 = the chunk duration'),
-    Param('max_requests', 8, 'narration requests decoded at once (KV cache slots)'),
-    Param('max_new_tokens', 30, 'tokens per narration request'),
-    Param('admission', 'drop_oldest', 'when all slots are busy: drop_oldest, reject_newest, wait'),
-    Param('temperature', 0.0, 'narration sampling temperature; 0 = greedy'),
-    Param('seed', 0, 'random seed (weights when no checkpoint, noise, sampling)'),
-    Param('prompt_format', 'pi05', "'pi05' (task + state) or 'subtask'"),
-    Param('compile', False, 'torch.compile the decode and denoise steps (for CUDA; slow start)'),
-    # robot
-    Param('robot', 'identity', "robot profile: 'identity', 'aloha' or 'droid'"),
-    Param('profile_options', '', 'YAML mapping of profile options, e.g. "{delta: true}"'),
-    Param('cameras', None, 'camera names, e.g. [cam_high, cam_left_wrist]', 'str[]'),
-    Param('camera_topics', None, 'image topic per camera (relative); default <camera>/image_raw',
-          'str[]'),
-    Param('camera_slots', None, 'model image slot per camera, e.g. base_0_rgb', 'str[]'),
-    Param('optional_cameras', None, 'cameras whose slot is masked instead of holding the robot '
-          'when they are missing or stale', 'str[]'),
-    Param('image_qos', 'sensor_data', 'image subscription QoS: ' + ', '.join(QOS_CHOICES)),
-    Param('joint_topics', ['joint_states'], 'sensor_msgs/JointState topics (relative)'),
-    Param('joint_sources', None, 'a name per joint topic, used in `joints` as source/joint; '
-          'may be left out with one topic', 'str[]'),
-    Param('joints', None, 'state joints in order, as source/joint (or joint with one topic)',
-          'str[]'),
-    Param('joint_qos', 'sensor_data', 'joint state subscription QoS: ' + ', '.join(QOS_CHOICES)),
-    Param('output_groups', None, 'trajectory outputs, e.g. [left_arm, left_gripper]', 'str[]'),
-    Param('prompt', 'pick up the object', 'task prompt; ~/prompt changes it at run time'),
-    Param('max_prompt_chars', 500, 'longest prompt accepted'),
-    # timing
-    Param('control_rate_hz', 70.0, 'trajectory publish rate'),
-    Param('action_rate_hz', 0.0, 'rate the model was trained at: action i is for frame time + '
-          'i / action_rate_hz; 0 = control_rate_hz'),
-    Param('max_input_age', 0.5, 's; older inputs are stale and the robot holds'),
-    Param('max_skew', 0.1, 's; the most the inputs of one frame may be apart'),
-    Param('narration_every_n_frames', 10, 'start a narration request every n frames; 0 = only '
-          'on demand (~/narrate)'),
-    Param('report_period', 5.0, 's; the same problem is logged at most once per period'),
-    Param('diagnostics_rate_hz', 1.0, '/diagnostics publish rate'),
+from rcl_interfaces.msg import (
+    FloatingPointRange,
+    IntegerRange,
+    ParameterDescriptor,
+    SetParametersResult,
 )
+from rclpy.callback_groups import CallbackGroup
+from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 
-GROUP_PARAMS = (
-    Param('topic', '', 'trajectory topic (relative), e.g. arm_controller/joint_trajectory'),
-    Param('joints', None, 'joint names the controller expects', 'str[]'),
-    Param('indices', None, 'action vector index of each joint', 'int[]'),
+from oxygen_ros.contract import (
+    BY_NAME,
+    GROUP_PARAMS,
+    PARAMS,
+    Config,
+    StartError,
+    coerce,
+    command_line_params,
+    prompt_problem,
 )
+from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_rgb
+from oxygen_ros.playback import Command, Player, make_chunk
 
-ENGINE_KEYS = ('model', 'checkpoint', 'tokenizer', 'device', 'threads', 'denoise_steps',
-               'decode_k', 'frame_budget_ms', 'max_requests', 'max_new_tokens', 'admission',
-               'temperature', 'seed', 'prompt_format', 'compile')
-
-
-class StartError(Exception):
-    """A bad parameter or a missing model file: said in one line, exit code 1."""
-
-
-@dataclass
-class Group:
-    name: str
-    topic: str
-    joints: list[str]
-    indices: list[int]
-
-
-@dataclass
-class Chunk:
-    stamp: float  # frame time; action i is for stamp + i * period
-    period: float
-    positions: np.ndarray  # [H, action_dim], robot units
-    velocities: np.ndarray
-
-
-def make_chunk(stamp: float, period: float, positions: np.ndarray) -> Chunk:
-    p = np.asarray(positions, dtype=np.float64)
-    if len(p) > 1:
-        v = np.gradient(p, period, axis=0)
-    else:
-        v = np.zeros_like(p)
-    # joint_trajectory_controller rejects a trajectory that ends moving.
-    v[-1] = 0.0
-    return Chunk(stamp, period, p, v)
-
-
-def remaining(chunk: Chunk, now: float) -> int:
-    """Index of the first action still in the future at `now`."""
-    times = chunk.stamp + chunk.period * np.arange(len(chunk.positions))
-    return int(np.searchsorted(times, now, side='right'))
+SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
 
 
 def problem_key(kind: str, text: str) -> str:
@@ -146,195 +68,258 @@ def seconds(stamp) -> float:
     return stamp.sec + stamp.nanosec * 1e-9
 
 
-class OxygenNode:
-    """Wraps an rclpy Node; built by main() so start-up errors can exit cleanly."""
+def duration(dt: float):
+    from builtin_interfaces.msg import Duration
 
-    def __init__(self, rclpy_node_args: dict | None = None):
-        from rclpy.node import Node
+    ns = max(1, int(dt * 1e9))
+    return Duration(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
 
-        self.node = Node('oxygen_node', **(rclpy_node_args or {}))
-        self.log = self.node.get_logger()
+
+class Polled(CallbackGroup):
+    """Subscriptions the node's own threads take from (see take()); no executor runs them."""
+
+    def can_execute(self, entity) -> bool:
+        return False
+
+    def beginning_execution(self, entity) -> bool:
+        return False
+
+    def ending_execution(self, entity) -> None:
+        pass
+
+
+def take(sub) -> int:
+    """Run the callback of `sub` on every message waiting, oldest first; returns how many."""
+    n = 0
+    while True:
+        with sub.handle:
+            got = sub.handle.take_message(sub.msg_type, sub.raw)
+        if got is None:
+            return n
+        sub.callback(got[0])
+        n += 1
+
+
+class OxygenNode(LifecycleNode):
+    """Declares and checks every parameter at construction, so a wrong one is a start-up
+    error whichever lifecycle transition would read it first."""
+
+    def __init__(self, argv=None, **kw):
+        super().__init__('oxygen_node', **kw)
+        self.log = self.get_logger()
         self.reporter = Reporter(self.log.warning)
-        self._stop = threading.Event()
-        self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._chunk: Chunk | None = None
-        self._readings: dict[str, dict[str, float]] = {}
-        self._narrate_now = False
+        self._tick_lock = threading.Lock()
+        self._stop = threading.Event()  # ends the engine and control threads
+        self._active = False  # chunks from the engine are played only while True
         self._threads: list[threading.Thread] = []
-        self._tick_clock = time.monotonic  # what tick gaps are measured in
-        self.p = self._read_params()
-        self.reporter.period = self.p['report_period']
-        self._prompt = self.p['prompt']
-        self._setup_robot()
-        self.engine = self._make_engine()
-        self._check_against_engine()
-        self._stats = dict(chunks=0, frames=0, published=0, hold_ticks=0, missed_ticks=0,
-                           narration_requests=0)
-        self._ticks = collections.deque(maxlen=2000)  # monotonic tick times
-        self._gaps = collections.deque(maxlen=2000)
-        self._publishes = collections.deque(maxlen=2000)
-        self._setup_ros()
+        self._ros: list = []  # subscriptions, publishers and timers made by configure
+        self.engine = None
+        self.player = None
+        self._timer = None  # control under use_sim_time
+        self.start_error = StartError('a lifecycle transition failed; see the log above')
+        self.cfg = self._read_params(argv)
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self._reset_stats()
 
     # -- parameters ------------------------------------------------------------------------
 
-    def _declare(self, prefix: str, params) -> dict:
-        from rcl_interfaces.msg import ParameterDescriptor
+    def _declare(self, name: str, p):
         from rclpy.exceptions import ParameterUninitializedException
 
-        out = {}
-        for p in params:
-            name = prefix + p.name
-            # dynamic_typing: a YAML `70` for a float parameter is fine; types are checked
-            # below with a message that names the parameter.
-            desc = ParameterDescriptor(description=p.description, dynamic_typing=True)
-            self.node.declare_parameter(name, p.default, desc)
-            try:
-                value = self.node.get_parameter(name).value
-            except ParameterUninitializedException:
-                value = None
-            out[p.name] = _coerce(name, value, p)
-        return out
+        # dynamic_typing: a YAML `70` for a float parameter is fine; types are checked by
+        # contract.coerce with a message that names the parameter.
+        desc = ParameterDescriptor(description=p.description + _range_note(p),
+                                   dynamic_typing=True, read_only=not p.live)
+        if p.type in ('int', 'int[]') and p.low is not None:
+            desc.integer_range = [IntegerRange(from_value=int(p.low), to_value=2**31 - 1)]
+        elif p.type == 'float' and p.low is not None:
+            desc.floating_point_range = [FloatingPointRange(from_value=float(p.low),
+                                                            to_value=1e300)]
+        # Our message, naming the rule broken, before rclpy's range check on the override.
+        override = self._parameter_overrides.get(name)
+        if override is not None:
+            coerce(name, override.value, p)
+        try:
+            self.declare_parameter(name, p.default, desc)
+            return self.get_parameter(name).value
+        except ParameterUninitializedException:
+            return None
+        except Exception as e:  # rclpy's own range or type errors on an override
+            raise StartError(f'parameter {name}: {e}') from None
 
-    def _read_params(self) -> dict:
-        p = self._declare('', PARAMS)
-        groups = []
-        for g in p['output_groups']:
+    def _read_params(self, argv) -> Config:
+        values = {p.name: self._declare(p.name, p) for p in PARAMS}
+        groups = coerce('output_groups', values['output_groups'], BY_NAME['output_groups'])
+        for g in groups:
             if not re.fullmatch(r'[A-Za-z][A-Za-z0-9_]*', g):
-                raise StartError(f'output group name {g!r} must be a plain identifier')
-            q = self._declare(f'outputs.{g}.', GROUP_PARAMS)
-            groups.append(Group(g, q['topic'], q['joints'], q['indices']))
-        p['groups'] = groups
-        for name in ('control_rate_hz', 'max_input_age', 'report_period', 'diagnostics_rate_hz'):
-            if p[name] <= 0:
-                raise StartError(f'{name} must be > 0, got {p[name]}')
-        for name in ('action_rate_hz', 'max_skew', 'narration_every_n_frames', 'threads'):
-            if p[name] < 0:
-                raise StartError(f'{name} must be >= 0, got {p[name]}')
-        if p['max_prompt_chars'] < 1:
-            raise StartError(f'max_prompt_chars must be >= 1, got {p["max_prompt_chars"]}')
-        for name in ('image_qos', 'joint_qos'):
-            if p[name] not in QOS_CHOICES:
-                raise StartError(f'{name} must be one of {QOS_CHOICES}, got {p[name]!r}')
-        why = self._prompt_problem(p['prompt'], p['max_prompt_chars'])
-        if why:
-            raise StartError(f'parameter prompt: {why}')
-        return p
+                continue  # not a parameter name: Config says so below
+            for p in GROUP_PARAMS:
+                values[f'outputs.{g}.{p.name}'] = self._declare(f'outputs.{g}.{p.name}', p)
+        # ROS drops a command-line -p value whose type differs from a params file's, so the
+        # command line is checked on its own too.
+        table = {p.name: p for p in PARAMS}
+        table.update({f'outputs.{g}.{p.name}': p for g in groups for p in GROUP_PARAMS})
+        for name, value in command_line_params(argv, self.get_name()).items():
+            if name in table:
+                coerce(name, value, table[name])
+        return Config.from_values(values)
 
-    def _setup_robot(self):
-        p = self.p
+    def _on_set_parameters(self, params) -> SetParametersResult:
+        checked = {}
+        for param in params:
+            if param.name not in BY_NAME:
+                continue  # rclpy's own (use_sim_time); outputs.* are read-only
+            try:
+                checked[param.name] = self.cfg.check_live(param.name, param.value)
+            except StartError as e:
+                self.log.warning(f'parameter {param.name} not set: {e}')
+                return SetParametersResult(successful=False, reason=str(e))
+        for name, value in checked.items():
+            self._apply(name, value)
+        return SetParametersResult(successful=True)
+
+    def _apply(self, name: str, value):
+        with self._lock:
+            self.cfg.p[name] = value
+            if name == 'prompt':
+                self._prompt = value.strip()
+                self._narrate_now = True
+        if name == 'report_period':
+            self.reporter.period = value
+        elif self.player is not None and name == 'max_command_horizon':
+            self.player.horizon = value
+        elif self.player is not None and name == 'play_steps':
+            self.player.play_steps = value
+        elif self.engine is not None and name == 'temperature':
+            self.engine.cfg = dataclasses.replace(self.engine.cfg, temperature=value)
+        elif self.engine is not None and name == 'decode_k':
+            self.engine.scheduler.decode_k = value
+        self.log.info(f'parameter {name} = {value!r}')
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self._state_machine.current_state[1]
+
+    def on_configure(self, state) -> TransitionCallbackReturn:
         try:
-            options = yaml.safe_load(p['profile_options']) if p['profile_options'] else {}
-        except yaml.YAMLError as e:
-            raise StartError(f'profile_options is not YAML: {e}') from None
-        if not isinstance(options, dict):
-            raise StartError(f'profile_options must be a YAML mapping, got {options!r}')
-        if p['robot'] == 'identity':
-            options.setdefault('dim', len(p['joints']))
-        try:
-            self.profile = make_profile(p['robot'], **options)
-        except (TypeError, ValueError) as e:
-            raise StartError(f'robot profile {p["robot"]!r}: {e}') from None
+            self._configure()
+        except Exception as e:  # rclpy would swallow it without a word
+            if not isinstance(e, StartError):
+                e = StartError(f'{type(e).__name__}: {e}')
+            self.log.error(f'configure failed: {e}')
+            self._cleanup()
+            self.start_error = e
+            return FAILURE
+        return SUCCESS
 
-        cams = p['cameras']
-        if not cams:
-            raise StartError('cameras is empty: name at least one camera')
-        if len(set(cams)) != len(cams):
-            raise StartError(f'cameras lists a name twice: {cams}')
-        topics = p['camera_topics'] or [f'{c}/image_raw' for c in cams]
-        if len(topics) != len(cams) or len(p['camera_slots']) != len(cams):
-            raise StartError(f'cameras ({len(cams)}), camera_topics ({len(topics)}) and '
-                             f'camera_slots ({len(p["camera_slots"])}) must have equal lengths')
-        if len(set(p['camera_slots'])) != len(cams):
-            raise StartError(f'camera_slots lists a slot twice: {p["camera_slots"]}')
-        unknown = sorted(set(p['optional_cameras']) - set(cams))
-        if unknown:
-            raise StartError(f'optional_cameras names unknown cameras {unknown}; cameras: {cams}')
-        if set(p['optional_cameras']) == set(cams):
-            raise StartError('every camera is optional: at least one must be required')
-        self.cameras = dict(zip(cams, topics, strict=True))
-        self.slots = dict(zip(cams, p['camera_slots'], strict=True))
+    def on_activate(self, state) -> TransitionCallbackReturn:
+        cfg = self.cfg
+        if cfg.random_weights and cfg.p['robot'] != 'identity' and not cfg.p[
+                'allow_random_weights']:
+            msg = (f'refusing to activate: the {cfg.p["robot"]} robot would be driven by '
+                   'RANDOM weights (no checkpoint). Set checkpoint, or allow_random_weights: '
+                   'true for timing and simulation')
+            self.log.error(msg)
+            self.start_error = StartError(msg)
+            return FAILURE
+        self._stop.clear()
+        with self._lock:
+            self._active = True
+        self._start_threads()
+        self.log.info('active: commanding ' + ', '.join(
+            self.resolve_topic_name(g.topic) for g in cfg.groups))
+        return SUCCESS
 
-        jt = p['joint_topics']
-        if not jt:
-            raise StartError('joint_topics is empty')
-        sources = p['joint_sources'] or ([''] if len(jt) == 1 else [])
-        if len(sources) != len(jt):
-            raise StartError(f'joint_sources must name each of the {len(jt)} joint_topics, '
-                             f'got {sources}')
-        self.joint_topics = dict(zip(sources, jt, strict=True))
-        labels = []
-        for label in p['joints']:
-            if len(sources) == 1 and not label.startswith(sources[0] + '/'):
-                src, name = sources[0], label
-            else:
-                src, _, name = label.partition('/')
-            if src not in self.joint_topics:
-                raise StartError(f'joint {label!r}: no joint source {src!r}; sources: {sources}')
-            labels.append((src, name))
-        try:
-            self.joint_map = JointMap(labels)
-        except ValueError as e:
-            raise StartError(f'joints: {e}') from None
-        if len(self.joint_map) != self.profile.state_dim:
-            raise StartError(f'{len(self.joint_map)} joints listed but the {p["robot"]} profile '
-                             f'takes a {self.profile.state_dim}-d state')
-        self._wanted = {s: {n for src, n in labels if src == s} for s in sources}
+    def on_deactivate(self, state) -> TransitionCallbackReturn:
+        self._halt('deactivated')
+        return SUCCESS
 
-        if not p['groups']:
-            raise StartError('output_groups is empty: name at least one trajectory output')
-        for g in p['groups']:
-            if not g.topic:
-                raise StartError(f'outputs.{g.name}.topic is empty')
-            if not g.joints or len(g.joints) != len(g.indices):
-                raise StartError(f'outputs.{g.name}: joints ({len(g.joints)}) and indices '
-                                 f'({len(g.indices)}) must be non-empty and of equal length')
-            bad = [i for i in g.indices if not 0 <= i < self.profile.action_dim]
-            if bad:
-                raise StartError(f'outputs.{g.name}.indices {bad} outside the '
-                                 f'{self.profile.action_dim}-d action of {p["robot"]}')
-        period = 1.0 / (p['action_rate_hz'] or p['control_rate_hz'])
-        self.action_period = period
-        self.assembler = Assembler(
-            required=[c for c in cams if c not in p['optional_cameras']]
-            + [f'joints:{s}' for s in sources],
-            optional=p['optional_cameras'],
-            max_input_age=p['max_input_age'], max_skew=p['max_skew'],
-            # One frame per image of the main camera: joint states come faster and would
-            # otherwise rerun the model on the same images.
-            trigger=[next(c for c in cams if c not in p['optional_cameras'])])
+    def on_cleanup(self, state) -> TransitionCallbackReturn:
+        self._cleanup()
+        return SUCCESS
 
-    def _make_engine(self):
+    def on_shutdown(self, state) -> TransitionCallbackReturn:
+        self._halt('shutting down')
+        self._cleanup()
+        return SUCCESS
+
+    def on_error(self, state) -> TransitionCallbackReturn:
+        self._halt('lifecycle error')
+        self._cleanup()
+        return SUCCESS
+
+    def _configure(self):
         from oxygen_ros.engine import Engine, EngineConfig
 
-        d = {k: self.p[k] for k in ENGINE_KEYS}
-        d['mode'] = 'oxygen'
-        # The engine sizes its frame budget from the rate the chunk is played at.
-        d['control_rate_hz'] = 1.0 / self.action_period
+        cfg = self.cfg
+        self.reporter.period = cfg.p['report_period']
+        self._prompt = cfg.p['prompt']
+        self._narrate_now = False
+        self.assembler = cfg.assembler()
+        self.player = Player(cfg.p['max_command_horizon'], cfg.p['play_steps'],
+                             hold_after=1.0 / cfg.p['control_rate_hz'])
+        # Each source's state joints, and the controllers' joints for a hold at measured
+        # positions.
+        self._readings = {s: JointReadings(w, [j for src, j in cfg.hold_sources.values()
+                                               if src == s])
+                          for s, w in cfg.wanted.items()}
+        self._last_target = np.full(cfg.profile.action_dim, np.nan)
         try:
-            return Engine(EngineConfig.from_dict(d))
+            self.engine = Engine(EngineConfig.from_dict(cfg.engine_settings()))
         except (ValueError, OSError) as e:
             raise StartError(f'cannot start the engine: {e}') from None
         except Exception as e:  # e.g. a corrupt safetensors file raises its own error type
             raise StartError(f'cannot start the engine: {type(e).__name__}: {e}') from None
+        cfg.check_engine(self.engine.slots, self.engine.action_dim)
+        self._setup_ros()
+        if cfg.random_weights:
+            weights = (f'RANDOM weights (seed {cfg.p["seed"]}, no checkpoint): not a trained '
+                       'policy')
+        else:
+            weights = f'weights from {cfg.p["checkpoint"]}'
+        self.log.info(f'configured: model {cfg.p["model"]} with {weights}; {cfg.p["robot"]} '
+                      f'robot; activate to command it')
 
-    def _check_against_engine(self):
-        unknown = sorted(set(self.slots.values()) - set(self.engine.slots))
-        if unknown:
-            raise StartError(f'camera_slots {unknown} are not model slots '
-                             f'{list(self.engine.slots)}')
-        dim = self.engine.action_dim
-        if self.profile.action_dim > dim or self.profile.state_dim > dim:
-            raise StartError(f'the {self.p["robot"]} profile needs {self.profile.action_dim}-d '
-                             f'actions but model {self.p["model"]!r} has {dim}')
+    def _cleanup(self):
+        self._halt('cleanup')
+        for entity in self._ros:
+            try:
+                entity.destroy()
+            except Exception:  # already gone with the context
+                pass
+        self._ros = []
+        self.engine = None
+
+    def _halt(self, why: str):
+        """Stop commanding: hold the robot where it is, then end the threads."""
+        with self._lock:
+            was_active = self._active
+            self._active = False
+        if was_active:
+            self._stop_commanding(why)
+            self._tick()  # publish the hold now, not at the next control period
+        self._stop.set()
+        if self._timer is not None:
+            self._timer.destroy()
+            self._timer = None
+        for t in self._threads:
+            t.join(10.0)
+            if t.is_alive():
+                self.log.error(f'{t.name} thread still busy after 10 s; leaving it')
+        self._threads = []
+
+    def _stop_commanding(self, why: str):
+        self.player.stop(why)  # the next tick publishes the hold and says why
 
     # -- ROS interface ---------------------------------------------------------------------
 
-    def _qos(self, choice: str, depth: int = 5):
-        from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+    def _qos(self, choice: str, depth: int):
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-        if choice == 'sensor_data':
-            return qos_profile_sensor_data
+        # sensor_data is best effort, like rclpy's qos_profile_sensor_data.
         rel = ReliabilityPolicy.RELIABLE if choice == 'reliable' else ReliabilityPolicy.BEST_EFFORT
         return QoSProfile(depth=depth, reliability=rel)
 
@@ -347,44 +332,63 @@ class OxygenNode:
 
         from oxygen_ros.msg import Narration
 
-        n = self.node
-        for cam, topic in self.cameras.items():
-            n.create_subscription(Image, topic, lambda m, c=cam: self._on_image(c, m),
-                                  self._qos(self.p['image_qos']))
-        for src, topic in self.joint_topics.items():
-            n.create_subscription(JointState, topic, lambda m, s=src: self._on_joints(s, m),
-                                  self._qos(self.p['joint_qos'], 10))
-        n.create_subscription(String, '~/prompt', self._on_prompt, 10)
-        n.create_subscription(Empty, '~/narrate', self._on_narrate, 10)
-
+        cfg = self.cfg
+        sub = self.create_subscription
+        polled = Polled()
+        # Only the newest image of a camera is ever used; joint states are taken every
+        # control tick, and 50 deep holds 0.1 s of a 500 Hz stream should a tick run late.
+        self._image_subs = [sub(Image, topic, lambda m, c=cam: self._on_image(c, m),
+                                self._qos(cfg.p['image_qos'], 1), callback_group=polled)
+                            for cam, topic in cfg.cameras.items()]
+        self._joint_subs = [sub(JointState, topic, lambda m, s=src: self._on_joints(s, m),
+                                self._qos(cfg.p['joint_qos'], 50), callback_group=polled)
+                            for src, topic in cfg.joint_topics.items()]
+        self._ros = [*self._image_subs, *self._joint_subs,
+                     sub(String, '~/prompt', self._on_prompt, 10),
+                     sub(Empty, '~/narrate', self._on_narrate, 10)]
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self.traj_pubs = {g.name: n.create_publisher(JointTrajectory, g.topic, reliable)
-                          for g in self.p['groups']}
+        self.traj_pubs = {g.name: self.create_publisher(JointTrajectory, g.topic, reliable)
+                          for g in cfg.groups}
         deep = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
-        self.narration_pub = n.create_publisher(Narration, '~/narration', deep)
-        self.text_pub = n.create_publisher(String, '~/narration/text', deep)
-        self.diag_pub = n.create_publisher(DiagnosticArray, '/diagnostics', 10)
+        self.narration_pub = self.create_publisher(Narration, '~/narration', deep)
+        self.text_pub = self.create_publisher(String, '~/narration/text', deep)
+        self.diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', 10)
+        self.predicted_pub = (self.create_publisher(JointTrajectory, '~/predicted_trajectory',
+                                                    reliable)
+                              if cfg.p['publish_predicted'] else None)
+        self._ros += [*self.traj_pubs.values(), self.narration_pub, self.text_pub,
+                      self.diag_pub, *([self.predicted_pub] if self.predicted_pub else []),
+                      self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'], self._diagnose)]
         self._msgs = dict(JointTrajectory=JointTrajectory, Narration=Narration, String=String,
                           DiagnosticArray=DiagnosticArray)
-
-        n.create_timer(1.0 / self.p['diagnostics_rate_hz'], self._diagnose)
         self.log.info(
-            f'{self.p["robot"]} robot, model {self.p["model"]}: cameras '
-            + ', '.join(f'{c} <- {n.resolve_topic_name(t)}' for c, t in self.cameras.items())
-            + '; joints <- ' + ', '.join(n.resolve_topic_name(t)
-                                         for t in self.joint_topics.values())
-            + '; trajectories -> ' + ', '.join(n.resolve_topic_name(g.topic)
-                                               for g in self.p['groups'])
-            + f'; control {self.p["control_rate_hz"]:g} Hz, actions every '
-            f'{self.action_period * 1e3:.1f} ms')
+            f'{cfg.p["robot"]} robot, model {cfg.p["model"]}: cameras '
+            + ', '.join(f'{c} <- {self.resolve_topic_name(t)}' for c, t in cfg.cameras.items())
+            + '; joints <- ' + ', '.join(self.resolve_topic_name(t)
+                                         for t in cfg.joint_topics.values())
+            + '; trajectories -> ' + ', '.join(self.resolve_topic_name(g.topic)
+                                               for g in cfg.groups)
+            + f'; control {cfg.p["control_rate_hz"]:g} Hz, actions every '
+            f'{cfg.action_period * 1e3:.1f} ms, commands reach at most '
+            f'{cfg.p["max_command_horizon"]:g} s ahead')
 
     def _now(self) -> float:
-        return self.node.get_clock().now().nanoseconds * 1e-9
+        return self.get_clock().now().nanoseconds * 1e-9
 
-    def _stamp(self, header) -> float:
-        # Some drivers leave the stamp at zero; the arrival time is the best guess then.
+    def _stamp(self, header, what: str) -> float | None:
+        """The time a sample describes, or None (reported) when it lies in the future."""
+        now = self._now()
         t = seconds(header.stamp)
-        return t if t > 0 else self._now()
+        if t <= 0:
+            # Some drivers leave the stamp at zero; the arrival time is the best guess then.
+            return now
+        ahead = t - now
+        if ahead > self.cfg.p['max_future_stamp']:
+            self.reporter.report(f'future:{what}', f'{what}: stamp {ahead * 1e3:.0f} ms in the '
+                                 f'future (limit {self.cfg.p["max_future_stamp"] * 1e3:.0f} ms); '
+                                 'message dropped: the sender and this node must share a clock')
+            return None
+        return t
 
     # -- input callbacks: validate cheaply, keep the latest, nothing else -------------------
 
@@ -394,45 +398,46 @@ class OxygenNode:
             self.reporter.report(problem_key(f'image:{cam}', why),
                                  f'camera {cam}: {why}; image dropped, the last good one is kept')
             return
-        self.assembler.put(cam, msg, self._stamp(msg.header))
-        self._wake.set()
+        t = self._stamp(msg.header, f'camera {cam}')
+        if t is None:
+            return
+        self.assembler.put(cam, msg, t)
 
     def _on_joints(self, src: str, msg):
-        topic = self.joint_topics[src]
-        if len(msg.name) != len(msg.position):
+        topic = self.cfg.joint_topics[src]
+        names, positions = msg.name, msg.position
+        if len(names) != len(positions):
             self.reporter.report(f'joints:{src}:lengths',
-                                 f'{topic}: {len(msg.name)} names but {len(msg.position)} '
+                                 f'{topic}: {len(names)} names but {len(positions)} '
                                  'positions; message dropped')
             return
-        wanted = self._wanted[src]
-        got = {n: float(x) for n, x in zip(msg.name, msg.position, strict=True) if n in wanted}
-        bad = sorted(n for n, x in got.items() if not np.isfinite(x))
+        readings = self._readings[src]
+        got = {n: x for n, x in zip(names, positions, strict=True) if n in readings.keep}
+        bad = sorted(n for n, x in got.items() if not math.isfinite(x))
         if bad:
             self.reporter.report(f'joints:{src}:nonfinite:{bad}',
                                  f'{topic}: joints {", ".join(bad)} read NaN/inf; message '
                                  'dropped, the last good readings are kept')
             return
-        if not got:
+        if readings.wanted.isdisjoint(got):
             self.reporter.report(f'joints:{src}:unknown',
-                                 f'{topic}: none of the joints {list(msg.name)} are used; '
-                                 f'expected {sorted(wanted)}')
+                                 f'{topic}: none of the joints {list(names)} are used; '
+                                 f'expected {sorted(readings.wanted)}')
             return
-        with self._lock:
-            merged = {**self._readings.get(src, {}), **got}
-            self._readings[src] = merged
-        self.assembler.put(f'joints:{src}', merged, self._stamp(msg.header))
-        self._wake.set()
-
-    def _prompt_problem(self, text: str, limit: int | None = None) -> str | None:
-        limit = limit or self.p['max_prompt_chars']
-        if not text.strip():
-            return 'empty prompt'
-        if len(text) > limit:
-            return f'prompt of {len(text)} characters is over the limit of {limit}'
-        return None
+        t = self._stamp(msg.header, topic)
+        if t is None:
+            return
+        merged, oldest = readings.update(got, t)
+        limit = self.cfg.p['max_input_age']
+        if t - oldest > limit:
+            self.reporter.report(f'joints:{src}:dropped', f'{topic}: joints '
+                                 f'{", ".join(readings.gone(t, limit))} missing from its '
+                                 f'messages for {(t - oldest) * 1e3:.0f} ms (limit '
+                                 f'{limit * 1e3:.0f} ms): stale')
+        self.assembler.put(f'joints:{src}', merged, oldest)
 
     def _on_prompt(self, msg):
-        why = self._prompt_problem(msg.data)
+        why = prompt_problem(msg.data, self.cfg.p['max_prompt_chars'])
         if why:
             self.reporter.report(f'prompt:{why[:12]}', f'~/prompt: {why}; keeping '
                                  f'{self._prompt!r}')
@@ -448,45 +453,48 @@ class OxygenNode:
 
     # -- engine thread ---------------------------------------------------------------------
 
-    def start(self):
+    def _start_threads(self):
+        # What came while inactive, so the first frame is not judged on old readings.
+        for sub in self._joint_subs:
+            take(sub)
         self._threads = [threading.Thread(target=self._run, name='engine', daemon=True)]
-        if self.node.get_parameter('use_sim_time').value:
+        if self.get_parameter('use_sim_time').value:
             # Simulated time: a timer on the node's clock in its own callback group, so
             # control follows /clock and stops while the simulation is paused.
             from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 
             self._tick_clock = self._now
-            self.node.create_timer(1.0 / self.p['control_rate_hz'], self._tick,
-                                   callback_group=MutuallyExclusiveCallbackGroup())
+            self._timer = self.create_timer(1.0 / self.cfg.p['control_rate_hz'], self._tick,
+                                            callback_group=MutuallyExclusiveCallbackGroup())
         else:
+            self._tick_clock = time.monotonic
             self._threads.append(threading.Thread(target=self._control, name='control',
                                                   daemon=True))
         for t in self._threads:
             t.start()
 
-    def stop(self, timeout: float = 10.0):
-        """Stop commanding at once, then wait for the frame in flight."""
-        self._stop.set()
-        self._wake.set()
-        with self._lock:
-            self._chunk = None
-        for t in self._threads:
-            t.join(timeout)
-            if t.is_alive():
-                print(f'[oxygen_node] {t.name} thread still busy after {timeout:g} s; leaving it',
-                      file=sys.stderr)
-
     def _run(self):
         frames = 0
+        checked = 0.0
         while not self._stop.is_set():
-            self._wake.wait(0.1)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            frame, why = self.assembler.ready(self._now())
+            for sub in self._image_subs:
+                take(sub)
+            now = self._now()
+            # Staleness is checked every 50 ms even when nothing new came.
+            if not self.assembler.fresh() and time.monotonic() - checked < 0.05:
+                self._stop.wait(0.002)
+                continue
+            checked = time.monotonic()
+            frame, why = self.assembler.ready(now)
             if frame is None:
-                if not why.startswith('no new input'):
+                if why.startswith('no new input'):
+                    self._stop.wait(0.002)
+                else:
                     self.reporter.report(problem_key('frame', why), f'no frame: {why}')
+                    if 'stale' in why or 'missing' in why:
+                        self._stop_commanding(f'inputs: {why}')
+                        # Until something comes back, checking every 50 ms is enough.
+                        self._stop.wait(0.05)
                 continue
             try:
                 obs, state = self._observation(frame)
@@ -496,18 +504,21 @@ class OxygenNode:
             for note in frame.notes:
                 self.reporter.report(problem_key('mask', note), f'camera {note} (masked)')
             frames += 1
-            every = self.p['narration_every_n_frames']
+            every = self.cfg.p['narration_every_n_frames']
             with self._lock:
                 narrate = self._narrate_now or (every > 0 and frames % every == 1 % every)
                 self._narrate_now = False
+            # A stamp within max_future_stamp ahead must not shift the chunk into the future.
+            stamp = min(frame.stamp, now)
             try:
                 result = self.engine.step(
-                    obs, narrate=narrate,
-                    on_actions=lambda a, t=frame.stamp, s=state: self._on_actions(t, s, a))
+                    obs, narrate=narrate, max_new_tokens=self.cfg.p['max_new_tokens'],
+                    on_actions=lambda a, t=stamp, s=state: self._on_actions(t, s, a))
             except Exception as e:  # one bad frame must not end the node
                 if self._stopping():
                     break
                 self.reporter.report(problem_key('engine', str(e)), f'frame failed: {e}')
+                self._stop_commanding(f'model failure: {e}')
                 continue
             self._stats['frames'] += 1
             self._stats['narration_requests'] += int(narrate)
@@ -524,7 +535,7 @@ class OxygenNode:
         from oxygen_ros.engine import Observation
 
         images = {slot: None for slot in self.engine.slots}
-        for cam, slot in self.slots.items():
+        for cam, slot in self.cfg.slots.items():
             msg = frame.values.get(cam)
             if msg is not None:
                 try:
@@ -532,29 +543,60 @@ class OxygenNode:
                 except ValueError as e:
                     raise ValueError(f'camera {cam}: {e}') from None
         # The readings held with the frame's images, not the newest ones.
-        readings = {s: frame.values[f'joints:{s}'] for s in self.joint_topics}
+        readings = {s: frame.values[f'joints:{s}'] for s in self.cfg.joint_topics}
         with self._lock:
             prompt = self._prompt
-        state = self.joint_map.vector(readings)
-        model_state = np.asarray(self.profile.encode_state(state), dtype=np.float32)
+        state = self.cfg.joint_map.vector(readings)
+        model_state = np.asarray(self.cfg.profile.encode_state(state), dtype=np.float32)
         return Observation(stamp=frame.stamp, images=images, state=model_state,
                            prompt=prompt), state
 
     def _on_actions(self, stamp: float, state: np.ndarray, actions: np.ndarray):
+        profile = self.cfg.profile
         try:
-            targets = self.profile.decode_actions(actions, state)
+            targets = profile.decode_actions(actions, state)
         except ValueError as e:
             self.reporter.report(problem_key('actions', str(e)), f'actions not usable: {e}')
+            self._stop_commanding(f'model failure: {e}')
             return
         if not np.all(np.isfinite(targets)):
             self.reporter.report('actions:nonfinite', 'model produced NaN/inf actions; '
                                  'not commanding this chunk')
+            self._stop_commanding('model failure: NaN/inf actions')
             return
-        chunk = make_chunk(stamp, self.action_period, targets)
+        # A profile whose targets are relative to where the robot is (DROID's velocities)
+        # re-anchors the chunk on the latest measured state at every tick. Its
+        # reanchor(actions, measured, first) returns None when its options make targets
+        # absolute, so one call on the frame's own state tells.
+        anchor = getattr(profile, 'reanchor', None)
+        reanchor = None
+        if anchor is not None and anchor(actions, measured=state, first=0) is not None:
+            def reanchor(first, measured, a=actions):
+                return anchor(a, measured=measured, first=first)
+        chunk = make_chunk(stamp, self.cfg.action_period, targets, actions, state, reanchor)
         with self._lock:
-            if not self._stop.is_set():
-                self._chunk = chunk
+            if self._active:
+                self.player.play(chunk)
         self._stats['chunks'] += 1
+        self._latency.append(self._now() - stamp)
+        self._chunk_times.append(time.monotonic())
+        if self.predicted_pub is not None:
+            self._publish_predicted(chunk)
+
+    def _publish_predicted(self, chunk):
+        from trajectory_msgs.msg import JointTrajectoryPoint
+
+        msg = self._msgs['JointTrajectory']()
+        msg.header.stamp.sec = int(chunk.stamp)
+        msg.header.stamp.nanosec = int((chunk.stamp - int(chunk.stamp)) * 1e9) % 1_000_000_000
+        idx = [i for g in self.cfg.groups for i in g.indices]
+        # Group-qualified names: ALOHA's two arms share joint names.
+        msg.joint_names = [f'{g.name}/{j}' for g in self.cfg.groups for j in g.joints]
+        for i, (p, v) in enumerate(zip(chunk.positions[:, idx], chunk.velocities[:, idx],
+                                       strict=True)):
+            msg.points.append(JointTrajectoryPoint(positions=p.tolist(), velocities=v.tolist(),
+                                                   time_from_start=duration(i * chunk.period)))
+        self.predicted_pub.publish(msg)
 
     def _publish_events(self, events):
         Narration, String = self._msgs['Narration'], self._msgs['String']
@@ -572,13 +614,13 @@ class OxygenNode:
                 else:
                     self.text_pub.publish(String(data=e.text))
 
-    # -- control thread --------------------------------------------------------------------
+    # -- control ---------------------------------------------------------------------------
 
     def _stopping(self) -> bool:
-        return self._stop.is_set() or not self.node.context.ok()
+        return self._stop.is_set() or not self.context.ok()
 
     def _control(self):
-        period = 1.0 / self.p['control_rate_hz']
+        period = 1.0 / self.cfg.p['control_rate_hz']
         deadline = time.monotonic()
         while not self._stopping():
             deadline += period
@@ -591,60 +633,96 @@ class OxygenNode:
                 deadline += (-delay // period) * period
             self._tick()
 
-    def _tick(self):
-        t = self._tick_clock()
-        if self._ticks:
-            gap = t - self._ticks[-1]
-            self._gaps.append(gap)
-            period = 1.0 / self.p['control_rate_hz']
-            if gap > 1.5 * period:
-                self._stats['missed_ticks'] += int(round(gap / period)) - 1
-        self._ticks.append(t)
-        with self._lock:
-            chunk = None if self._stopping() else self._chunk
-        if chunk is None:
-            return
-        first = remaining(chunk, self._now())
-        if first >= len(chunk.positions):
-            # Used up and nothing newer: stop commanding rather than replay old actions.
-            self._stats['hold_ticks'] += 1
-            self.reporter.report('control:hold', 'action chunk used up before the next one '
-                                 'arrived: holding (no trajectory published)')
-            return
+    def _measured(self) -> np.ndarray | None:
+        readings = {s: r.values() for s, r in self._readings.items()}
         try:
-            self._publish_chunk(chunk, first)
-        except Exception as e:  # publishing fails once ROS is shutting down
-            if not self._stopping():
-                self.reporter.report(problem_key('publish', str(e)), f'trajectory not sent: {e}')
+            return self.cfg.joint_map.vector(readings)
+        except ValueError:
+            return None
 
-    def _publish_chunk(self, chunk: Chunk, first: int):
-        from builtin_interfaces.msg import Duration
+    def _hold_at(self) -> np.ndarray:
+        """Per action index, the last measured position of the joint it drives; where the
+        controller's joint is not measured, the last commanded position."""
+        out = self._last_target.copy()
+        for i, (src, joint) in self.cfg.hold_sources.items():
+            x = self._readings[src].get(joint)
+            if x is not None:
+                out[i] = x
+            else:
+                self.reporter.report(f'hold:unmeasured:{src}/{joint}', f'no measured position '
+                                     f'of {joint} on {self.cfg.joint_topics[src]}: holding it '
+                                     'at the last command')
+        return out
+
+    def _tick(self):
+        with self._tick_lock:
+            for sub in self._joint_subs:
+                take(sub)
+            t = self._tick_clock()
+            period = 1.0 / self.cfg.p['control_rate_hz']
+            if self._ticks:
+                gap = t - self._ticks[-1]
+                self._gaps.append(gap)
+                if gap > 1.5 * period:
+                    self._stats['missed_ticks'] += int(round(gap / period)) - 1
+            self._ticks.append(t)
+            try:
+                cmd = self.player.tick(self._now(), self._measured, self._hold_at)
+            except ValueError as e:
+                self.reporter.report(problem_key('playback', str(e)), f'playback failed: {e}')
+                self._stop_commanding(f'playback failure: {e}')
+                return
+            if cmd is None:
+                with self._lock:
+                    if self._active:
+                        self._stats['hold_ticks'] += 1
+                return
+            try:
+                self._publish(cmd)
+            except Exception as e:  # publishing fails once ROS is shutting down
+                if not self._stopping():
+                    self.reporter.report(problem_key('publish', str(e)),
+                                         f'trajectory not sent: {e}')
+
+    def _publish(self, cmd: Command):
         from trajectory_msgs.msg import JointTrajectoryPoint
 
         JointTrajectory = self._msgs['JointTrajectory']
-        now = self._now()
-        times = [chunk.stamp + i * chunk.period - now for i in range(first, len(chunk.positions))]
-        durations = []
-        for dt in times:
-            ns = max(1, int(dt * 1e9))
-            durations.append(Duration(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000))
-        for g in self.p['groups']:
+        durations = [duration(dt) for dt in cmd.times]
+        for g in self.cfg.groups:
+            pos = cmd.positions[:, g.indices]
+            if not np.all(np.isfinite(pos)):
+                self.reporter.report(f'hold:none:{g.name}', f'cannot hold {g.name}: no '
+                                     'measured or commanded position yet')
+                continue
+            vel = cmd.velocities[:, g.indices]
             msg = JointTrajectory()
             # header.stamp stays zero: the controller starts the trajectory on arrival.
             msg.joint_names = list(g.joints)
-            pos = chunk.positions[first:, g.indices]
-            vel = chunk.velocities[first:, g.indices]
-            for i, d in enumerate(durations):
-                pt = JointTrajectoryPoint()
-                pt.positions = pos[i].tolist()
-                pt.velocities = vel[i].tolist()
-                pt.time_from_start = d
-                msg.points.append(pt)
+            msg.points = [JointTrajectoryPoint(positions=p.tolist(), velocities=v.tolist(),
+                                               time_from_start=d)
+                          for p, v, d in zip(pos, vel, durations, strict=True)]
             self.traj_pubs[g.name].publish(msg)
-        self._stats['published'] += 1
-        self._publishes.append(time.monotonic())
+        if cmd.hold:
+            self._stats['holds'] += 1
+            self._hold_reason = cmd.hold
+            self.reporter.report(problem_key('holding', cmd.hold), f'holding: {cmd.hold}')
+        else:
+            self._last_target = cmd.positions[0].copy()
+            self._stats['published'] += 1
+            self._publishes.append(time.monotonic())
 
     # -- diagnostics -----------------------------------------------------------------------
+
+    def _reset_stats(self):
+        self._stats = dict(chunks=0, frames=0, published=0, hold_ticks=0, missed_ticks=0,
+                           narration_requests=0, holds=0)
+        self._hold_reason = ''
+        self._ticks = collections.deque(maxlen=2000)  # tick times
+        self._gaps = collections.deque(maxlen=2000)
+        self._publishes = collections.deque(maxlen=2000)
+        self._latency = collections.deque(maxlen=500)  # frame stamp -> its chunk, s
+        self._chunk_times = collections.deque(maxlen=500)
 
     def summary(self) -> dict:
         """Everything /diagnostics reports, as plain numbers."""
@@ -653,13 +731,22 @@ class OxygenNode:
         recent = [x for x in list(self._publishes) if now - x <= 5.0]
         s['control_publish_hz'] = len(recent) / 5.0
         gaps = np.array(list(self._gaps) or [0.0])
-        period = 1.0 / self.p['control_rate_hz']
+        period = 1.0 / self.cfg.p['control_rate_hz']
         s['tick_jitter_ms_p99'] = float(np.percentile(np.abs(gaps - period), 99) * 1e3)
         s['tick_gap_ms_max'] = float(gaps.max() * 1e3)
+        # How late chunks come (the part of each chunk already in the past) and how far
+        # apart: together they say whether a chunk lasts until the next.
+        lat = np.array(list(self._latency) or [0.0])
+        s['action_latency_ms_p50'] = float(np.percentile(lat, 50) * 1e3)
+        s['action_latency_ms_p99'] = float(np.percentile(lat, 99) * 1e3)
+        apart = np.diff(list(self._chunk_times)) if len(self._chunk_times) > 1 else [0.0]
+        s['chunk_interval_ms_p99'] = float(np.percentile(apart, 99) * 1e3)
+        s['chunk_ms'] = 1e3 * self.cfg.action_period * self.engine.action_horizon
         s.update(self._stats)
         r = self.reporter
         s['dropped_images'] = r.count('image:')
         s['dropped_joint_states'] = r.count('joints:')
+        s['future_stamps'] = r.count('future:')
         s['rejected_prompts'] = r.count('prompt:')
         s['skipped_frames'] = r.count('frame:')
         s['masked_cameras'] = r.count('mask:')
@@ -671,19 +758,27 @@ class OxygenNode:
 
         s = self.summary()
         st = DiagnosticStatus()
-        st.name = f'{self.node.get_name()}: inference'
-        st.hardware_id = self.p['device']
-        holding = s['control_publish_hz'] < 0.5 * self.p['control_rate_hz']
-        st.level = DiagnosticStatus.WARN if holding else DiagnosticStatus.OK
-        st.message = ('holding: no fresh actions' if holding else
-                      f'{s["control_publish_hz"]:.0f} Hz commands, '
-                      f'{s["frame_ms_p50"]:.0f} ms frames')
+        st.name = f'{self.get_name()}: inference'
+        st.hardware_id = self.cfg.p['device']
+        with self._lock:
+            active = self._active
+        holding = s['control_publish_hz'] < 0.5 * self.cfg.p['control_rate_hz']
+        st.level = DiagnosticStatus.WARN if holding and active else DiagnosticStatus.OK
+        if not active:
+            st.message = 'inactive: not commanding'
+        elif holding:
+            st.message = f'holding: {self._hold_reason or "no fresh actions"}'
+        else:
+            st.message = (f'{s["control_publish_hz"]:.0f} Hz commands, '
+                          f'{s["frame_ms_p50"]:.0f} ms frames')
+        st.values = [KeyValue(key='active', value=str(active))]
         for k, v in s.items():
             st.values.append(KeyValue(key=k, value=f'{v:.3f}' if isinstance(v, float) else str(v)))
+        st.values.append(KeyValue(key='last_hold', value=self._hold_reason))
         if self.reporter.recent:
             st.values.append(KeyValue(key='last_problem', value=self.reporter.recent[-1]))
         arr = self._msgs['DiagnosticArray']()
-        arr.header.stamp = self.node.get_clock().now().to_msg()
+        arr.header.stamp = self.get_clock().now().to_msg()
         arr.status.append(st)
         try:
             self.diag_pub.publish(arr)
@@ -691,66 +786,67 @@ class OxygenNode:
             pass
 
 
-def _coerce(name: str, value, p: Param):
-    kind = p.kind or {str: 'str', bool: 'bool', int: 'int', float: 'float',
-                      list: 'str[]'}[type(p.default)]
-    if value is None:
-        return [] if kind.endswith('[]') else p.default
-    ok = {
-        'str': isinstance(value, str),
-        'bool': isinstance(value, bool),
-        'int': isinstance(value, int) and not isinstance(value, bool),
-        'float': isinstance(value, (int, float)) and not isinstance(value, bool),
-        'str[]': isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value),
-        'int[]': isinstance(value, (list, tuple)) and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in value),
-    }[kind]
-    if not ok:
-        raise StartError(f'parameter {name} must be {kind}, got {value!r}')
-    if kind == 'float':
-        return float(value)
-    if kind.endswith('[]'):
-        return list(value)
-    return value
+def _range_note(p) -> str:
+    text = p.range_text()
+    return (f' ({text})' if text else '') + ('' if p.live else ' [read-only while running]')
 
 
 def main(args=None):
     import rclpy
-    from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.signals import SignalHandlerOptions
 
-    # Lets the control timer thread in between torch ops sooner (default is 5 ms).
+    argv = sys.argv if args is None else args
+    # Lets the control thread in between torch ops sooner (default is 5 ms).
     sys.setswitchinterval(0.001)
+    # Our own signal handlers: the first SIGINT/SIGTERM starts a clean shutdown (hold, then
+    # stop); later ones, e.g. a second Ctrl-C under ros2 launch, are noted and ignored
+    # instead of raising KeyboardInterrupt in the middle of it.
+    signals = []
+
+    def on_signal(signum, _frame):
+        signals.append(signum)
+        if len(signals) > 1:
+            print(f'[oxygen_node] {signal.Signals(signum).name} again: already shutting down',
+                  file=sys.stderr, flush=True)
+
     try:
-        rclpy.init(args=args)
+        rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     except Exception as e:  # e.g. a params file that is missing or not YAML
         print(f'[oxygen_node] error: {e}', file=sys.stderr, flush=True)
         sys.exit(1)
-    holder = None
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    node = None
     code = 0
     try:
-        holder = OxygenNode()
-        # Callbacks only store samples, so one executor thread keeps up; control and the
-        # model have their own threads.
+        node = OxygenNode(argv)
         executor = SingleThreadedExecutor()
-        executor.add_node(holder.node)
-        holder.start()
-        executor.spin()
+        executor.add_node(node)
+        if node.cfg.p['autostart']:
+            if node.trigger_configure() != SUCCESS or node.trigger_activate() != SUCCESS:
+                raise node.start_error
+        else:
+            node.log.info('unconfigured: waiting for lifecycle transitions (ros2 lifecycle '
+                          f'set {node.get_fully_qualified_name()} configure, then activate)')
+        # Callbacks only store samples, so one executor thread keeps up; control and the
+        # model have their own threads. spin_once returns often enough to see a signal.
+        while not signals and rclpy.ok() and node.state != 'finalized':
+            executor.spin_once(timeout_sec=0.1)
     except StartError as e:
         # A configuration mistake, not a bug: one clear line, no traceback.
         print(f'[oxygen_node] error: {e}', file=sys.stderr, flush=True)
         code = 1
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    except Exception:
-        # SIGINT/SIGTERM shut the context down under the executor, which may then fail to
-        # build its wait set instead of raising ExternalShutdownException.
-        if rclpy.ok():
-            raise
     finally:
-        if holder is not None:
-            holder.stop()
-            holder.node.destroy_node()
+        if node is not None:
+            if node.state in ('unconfigured', 'inactive', 'active'):
+                node.trigger_shutdown()
+            node.destroy_node()
         rclpy.try_shutdown()
+        # Python puts the default handlers back while it exits, and a signal then would kill
+        # the process (exit code -2); from here on there is nothing left to stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if code:
         sys.exit(code)
 

@@ -10,6 +10,7 @@ vectors share a layout).
 from __future__ import annotations
 
 import collections
+import signal
 import sys
 import time
 
@@ -236,6 +237,9 @@ def main(args=None):
         if rclpy.ok():  # else: a signal shut the context down under the executor
             raise
     finally:
+        # A second Ctrl-C (ros2 launch signals the whole group) must not kill the shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()

@@ -1,32 +1,47 @@
-"""The node's control-side arithmetic, without ROS: chunk velocities, which actions are
-still ahead, parameter type checks."""
-import numpy as np
+"""The node's ROS-free parts: the parameter table and robot contract (contract.py)."""
+import math
+
 import pytest
 
-from oxygen_ros.node import PARAMS, StartError, _coerce, make_chunk, problem_key, remaining
+from oxygen_ros.contract import (
+    BY_NAME,
+    PARAMS,
+    Config,
+    StartError,
+    coerce,
+    command_line_params,
+)
 
+ARM = [f'fr3_joint{i}' for i in range(1, 8)]
 
-def test_chunk_velocities_by_hand():
-    pos = np.array([[0.0, 1.0], [1.0, 1.0], [4.0, 0.5]])
-    c = make_chunk(10.0, 0.5, pos)
-    assert c.stamp == 10.0 and c.period == 0.5
-    np.testing.assert_array_equal(c.positions, pos)
-    # Central differences inside, one-sided at the start, and the last point at rest.
-    np.testing.assert_allclose(c.velocities, [[2.0, 0.0], [4.0, -0.5], [0.0, 0.0]])
-    one = make_chunk(0.0, 0.1, [[3.0, 4.0]])
-    assert one.velocities.tolist() == [[0.0, 0.0]]
+DROID = {
+    'robot': 'droid', 'profile_options': '{velocity: true}',
+    'cameras': ['front', 'wrist'], 'camera_slots': ['base_0_rgb', 'left_wrist_0_rgb'],
+    'joints': ARM + ['gripper'], 'action_rate_hz': 10.0, 'output_groups': ['arm', 'gripper'],
+    'outputs.arm.topic': 'arm/joint_trajectory', 'outputs.arm.joints': ARM,
+    'outputs.arm.indices': list(range(7)),
+    'outputs.gripper.topic': 'gripper/joint_trajectory', 'outputs.gripper.joints': ['gripper'],
+    'outputs.gripper.indices': [7],
+}
 
-
-def test_remaining_skips_actions_already_due():
-    c = make_chunk(10.0, 0.25, np.zeros((4, 1)))  # actions at 10, 10.25, 10.5, 10.75
-    assert remaining(c, 9.0) == 0
-    assert remaining(c, 10.0) == 1  # due now: no longer ahead
-    assert remaining(c, 10.3) == 2
-    assert remaining(c, 10.75) == 4  # used up
-    assert remaining(c, 11.0) == 4
+LEFT = ['waist', 'shoulder', 'elbow', 'forearm_roll', 'wrist_angle', 'wrist_rotate']
+ALOHA = {
+    'robot': 'aloha', 'cameras': ['cam_high'], 'camera_slots': ['base_0_rgb'],
+    'joint_topics': ['l/joint_states', 'r/joint_states'], 'joint_sources': ['left', 'right'],
+    'joints': [f'left/{j}' for j in LEFT] + ['left/left_finger']
+    + [f'right/{j}' for j in LEFT] + ['right/left_finger'],
+    'output_groups': ['left_gripper', 'right_arm'],
+    'outputs.left_gripper.topic': 'l/g', 'outputs.left_gripper.joints': ['gripper'],
+    'outputs.left_gripper.indices': [6],
+    'outputs.right_arm.topic': 'r/a', 'outputs.right_arm.joints': LEFT,
+    'outputs.right_arm.indices': list(range(7, 13)),
+}
 
 
 def test_problem_key_ignores_numbers():
+    pytest.importorskip('rclpy')
+    from oxygen_ros.node import problem_key
+
     a = problem_key('frame', 'cam stale (612 ms old, limit 500 ms)')
     b = problem_key('frame', 'cam stale (1204 ms old, limit 500 ms)')
     assert a == b == 'frame:cam stale (# ms old, limit # ms)'
@@ -34,14 +49,95 @@ def test_problem_key_ignores_numbers():
 
 
 def test_parameter_types_are_checked_by_name():
-    spec = {p.name: p for p in PARAMS}
-    assert _coerce('control_rate_hz', 70, spec['control_rate_hz']) == 70.0
-    assert isinstance(_coerce('control_rate_hz', 70, spec['control_rate_hz']), float)
-    assert _coerce('cameras', None, spec['cameras']) == []
-    assert _coerce('threads', None, spec['threads']) == 1
+    spec = BY_NAME
+    assert coerce('control_rate_hz', 70, spec['control_rate_hz']) == 70.0
+    assert isinstance(coerce('control_rate_hz', 70, spec['control_rate_hz']), float)
+    assert coerce('cameras', None, spec['cameras']) == []
+    assert coerce('threads', None, spec['threads']) == 1
     with pytest.raises(StartError, match='parameter threads must be int'):
-        _coerce('threads', True, spec['threads'])
+        coerce('threads', True, spec['threads'])
     with pytest.raises(StartError, match=r'parameter cameras must be str\[\]'):
-        _coerce('cameras', ['a', 3], spec['cameras'])
+        coerce('cameras', ['a', 3], spec['cameras'])
     with pytest.raises(StartError, match='parameter control_rate_hz must be float'):
-        _coerce('control_rate_hz', '70', spec['control_rate_hz'])
+        coerce('control_rate_hz', '70', spec['control_rate_hz'])
+
+
+@pytest.mark.parametrize('name, value, message', [
+    ('control_rate_hz', 0.0, 'must be > 0'),
+    ('control_rate_hz', math.inf, 'must be finite'),
+    ('max_skew', -0.1, 'must be >= 0'),
+    ('decode_k', -1, 'must be >= 0'),
+    ('admission', 'first', 'must be one of drop_oldest, reject_newest, wait'),
+    ('robot', 'ur5', 'must be one of identity, aloha, droid'),
+])
+def test_ranges_and_choices(name, value, message):
+    with pytest.raises(StartError, match=f'parameter {name} {message}'):
+        coerce(name, value, BY_NAME[name])
+
+
+def test_every_parameter_has_a_description_and_a_valid_default():
+    for p in PARAMS:
+        assert p.description, p.name
+        coerce(p.name, p.default, p)
+
+
+def test_command_line_rules_for_this_node_only():
+    argv = ['oxygen_node', '--ros-args', '--params-file', 'a.yaml', '-p', 'control_rate_hz:=fast',
+            '-p', 'other_node:seed:=3', '-p', 'oxygen_node:threads:=2', '--param', 'cameras:=[a]',
+            '-r', 'x:=y', '--', '-p', 'ignored:=1']
+    assert command_line_params(argv, 'oxygen_node') == {
+        'control_rate_hz': 'fast', 'threads': 2, 'cameras': ['a']}
+
+
+def test_contract_of_a_droid():
+    c = Config.from_values(DROID)
+    assert c.cameras == {'front': 'front/image_raw', 'wrist': 'wrist/image_raw'}
+    assert c.joint_topics == {'': 'joint_states'}
+    assert c.wanted == {'': set(ARM + ['gripper'])}
+    assert c.action_period == pytest.approx(0.1)
+    assert c.random_weights
+    assert c.hold_sources == {i: ('', j) for i, j in enumerate(ARM + ['gripper'])}
+    a = c.assembler()
+    assert a.required == ['front', 'wrist', 'joints:'] and a.trigger == {'front'}
+
+
+def test_aloha_holds_read_the_controller_joint_from_the_arm_of_the_action():
+    c = Config.from_values(ALOHA)
+    # The gripper servo is not a state joint: it is read from the left arm's topic.
+    assert c.hold_sources[6] == ('left', 'gripper')
+    assert c.hold_sources[7] == ('right', 'waist')
+    assert c.hold_sources[12] == ('right', 'wrist_rotate')
+
+
+@pytest.mark.parametrize('change, message', [
+    ({'camera_slots': ['base_0_rgb']}, 'must have equal lengths'),
+    ({'joints': ARM}, '7 joints listed but the droid profile takes a 8-d state'),
+    ({'outputs.gripper.indices': [8]}, r'outputs.gripper.indices \[8\] outside the 8-d action'),
+    ({'output_groups': ['arm', 'bad-name']}, "output group name 'bad-name'"),
+    ({'max_command_horizon': 0.05}, 'shorter than one action period'),
+    ({'prompt': '  '}, 'parameter prompt: empty prompt'),
+    ({'profile_options': '[1, 2]'}, 'profile_options must be a YAML mapping'),
+])
+def test_contract_mistakes_are_one_line(change, message):
+    with pytest.raises(StartError, match=message):
+        Config.from_values({**DROID, **change})
+
+
+def test_live_parameters():
+    c = Config.from_values({**DROID, 'max_new_tokens': 20})
+    assert c.check_live('temperature', 1) == 1.0
+    assert c.check_live('max_new_tokens', 10) == 10
+    assert c.check_live('play_steps', 3) == 3
+    for name, value, message in [
+        ('control_rate_hz', 50.0, 'control_rate_hz cannot change while the node runs'),
+        ('device', 'cuda', 'device cannot change'),
+        ('temperature', -1.0, 'must be >= 0'),
+        ('temperature', 'hot', 'must be float'),
+        ('max_new_tokens', 21, 'sized for 20'),
+        ('decode_k', 0, 'between adaptive'),
+        ('max_command_horizon', 0.01, 'shorter than one action period'),
+        ('prompt', '', 'empty prompt'),
+        ('nonsense', 1, 'nonsense cannot change'),
+    ]:
+        with pytest.raises(StartError, match=message):
+            c.check_live(name, value)

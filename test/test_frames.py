@@ -4,7 +4,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from oxygen_ros.frames import Assembler, Reporter, check_image, image_problem, image_to_rgb, to_rgb
+from oxygen_ros.frames import (
+    Assembler,
+    JointReadings,
+    Reporter,
+    check_image,
+    image_problem,
+    image_to_rgb,
+    to_rgb,
+)
 
 # A 2x3 RGB image with distinct values in every channel of every pixel.
 RGB = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3) * 7
@@ -252,3 +260,19 @@ def test_old_samples_are_pruned():
     held = a._samples['joints']
     assert len(held) <= Assembler.HISTORY
     assert held[0].stamp >= 1.99 - 0.6 - 1e-9
+
+
+def test_joint_readings_merge_and_age_by_their_oldest_joint():
+    r = JointReadings(['a', 'b'], keep=['servo'])
+    assert r.keep == {'a', 'b', 'servo'}
+    values, oldest = r.update({'a': 1, 'b': 2, 'servo': 3, 'other': 9}, 10.0)
+    assert values == {'a': 1.0, 'b': 2.0, 'servo': 3.0} and oldest == 10.0
+    # A message with only `a`: `b` keeps its value and its age.
+    values, oldest = r.update({'a': 1.5}, 10.3)
+    assert values == {'a': 1.5, 'b': 2.0, 'servo': 3.0} and oldest == 10.0
+    assert r.gone(10.3, 0.25) == ['b'] and r.gone(10.3, 0.5) == []
+    assert r.get('servo') == 3.0 and r.get('other') is None
+    # Joints never read do not count; with none read yet the message's own stamp does.
+    fresh = JointReadings(['a', 'b'])
+    assert fresh.update({'a': 0.0}, 5.0) == ({'a': 0.0}, 5.0)
+    assert JointReadings(['a']).update({'x': 1.0}, 7.0) == ({}, 7.0)

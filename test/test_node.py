@@ -35,6 +35,7 @@ JOINTS = ARM + ['gripper']
 RATE = 70.0
 
 PARAMS = {
+    'autostart': True, 'allow_random_weights': True,
     'model': 'tiny', 'threads': 1, 'seed': 0,
     'robot': 'droid', 'profile_options': '{velocity: true}',
     'cameras': ['front', 'wrist'],
@@ -414,13 +415,21 @@ def test_diagnostics_count_the_problems(robot):
     assert int(d['rejected_requests']) > 0 and int(d['dropped_requests']) == 0
 
 
-def test_sigterm_stops_cleanly(robot):
+def test_sigterm_holds_and_stops_cleanly(robot):
+    t = time.monotonic()
     robot.proc.send_signal(signal.SIGTERM)
     assert robot.proc.wait(15) == 0
     n = len(robot.traj)
     time.sleep(0.3)
     assert len(robot.traj) == n, 'commands after shutdown'
     assert 'Traceback' not in robot.log(), robot.log()[-3000:]
+    # The last command replaces whatever the controller executes: one point, at rest, at the
+    # positions the robot measured (joint i reads 0.1 * i).
+    last = [m for at, m in robot.traj if at >= t][-1]
+    assert len(last.points) == 1
+    assert list(last.points[0].velocities) == [0.0] * 7
+    assert list(last.points[0].positions) == pytest.approx([0.1 * i for i in range(7)])
+    assert 'holding: shutting down' in robot.log()
 
 
 def run_node(tmp_path, domain, extra, timeout=60):

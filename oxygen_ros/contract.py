@@ -1,0 +1,388 @@
+"""What oxygen_node may be told and how a robot fits the model, without ROS.
+
+The parameter table (PARAMS, GROUP_PARAMS) lists every parameter with its type, range and
+whether it may change while the node runs. Config is built from plain values (what ROS
+parameters hold) and checks that cameras, joints and output groups fit together; the node
+then checks it against the engine's slots and dims. Every mistake is a StartError with one
+line that names the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import yaml
+
+from oxygen_ros.frames import Assembler
+from oxygen_ros.profiles import JointMap, make_profile
+
+QOS_CHOICES = ('sensor_data', 'reliable', 'best_effort')
+
+
+class StartError(Exception):
+    """A bad parameter or a missing model file: said in one line, exit code 1."""
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    default: object  # None: no default; the empty list of `kind`
+    description: str
+    kind: str = ''  # 'str' / 'int' / 'float' / 'bool' / 'str[]' / 'int[]'; '' = from default
+    low: float | None = None  # smallest value allowed
+    above: bool = False  # low itself is not allowed (> low)
+    high: float | None = None
+    choices: tuple = ()
+    live: bool = False  # may be set while the node runs (ros2 param set)
+
+    @property
+    def type(self) -> str:
+        return self.kind or {str: 'str', bool: 'bool', int: 'int', float: 'float',
+                             list: 'str[]'}[type(self.default)]
+
+    def range_text(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f'{">" if self.above else ">="} {self.low:g}')
+        if self.high is not None:
+            parts.append(f'<= {self.high:g}')
+        if self.choices:
+            parts.append('one of ' + ', '.join(map(str, self.choices)))
+        return ' and '.join(parts)
+
+
+# Every parameter the node reads, in one place. Output groups add
+# outputs.<group>.{topic,joints,indices} for each name in output_groups.
+PARAMS = (
+    # lifecycle and safety
+    Param('autostart', False, 'configure and activate at start instead of waiting for '
+          'lifecycle transitions'),
+    Param('allow_random_weights', False, "let a robot profile other than 'identity' activate "
+          "without a checkpoint (random weights: for timing and simulation only)"),
+    Param('max_command_horizon', 0.5, 's; no published trajectory point lies further ahead',
+          low=0.0, above=True, live=True),
+    Param('play_steps', 0, 'play only the first n actions of each chunk, then hold unless a '
+          'newer chunk arrived; 0 = all', low=0, live=True),
+    Param('max_future_stamp', 0.05, 's; inputs stamped further ahead of the node clock are '
+          'rejected', low=0.0),
+    Param('publish_predicted', False, '~/predicted_trajectory: the whole chunk of each frame'),
+    # model and engine
+    Param('model', 'small', "model config: 'tiny', 'small', 'pi05' or a YAML path"),
+    Param('checkpoint', '', "checkpoint directory or safetensors file; '' = random weights"),
+    Param('tokenizer', '', "SentencePiece model; '' = the built-in tokenizer"),
+    Param('device', 'cpu', "'cpu' or 'cuda'"),
+    Param('threads', 1, 'torch threads; keep below the core count so control keeps time',
+          low=0),
+    Param('denoise_steps', 10, 'flow-matching steps per action chunk', low=1),
+    Param('decode_k', 5, 'narration decode steps per frame; 0 = fit the frame budget', low=0,
+          live=True),
+    Param('frame_budget_ms', 0.0, 'time per frame (narration decoding fills what the actions '
+          'leave); 0 = half the chunk duration, so the next chunk is ready while this one '
+          'still plays', low=0.0),
+    Param('max_requests', 8, 'narration requests decoded at once (KV cache slots)', low=1),
+    Param('max_new_tokens', 30, 'tokens per narration request; live changes may only lower '
+          'it below the value the KV cache was sized for at configure', low=1, live=True),
+    Param('admission', 'drop_oldest', 'when all slots are busy',
+          choices=('drop_oldest', 'reject_newest', 'wait')),
+    Param('temperature', 0.0, 'narration sampling temperature; 0 = greedy', low=0.0,
+          live=True),
+    Param('seed', 0, 'random seed (weights when no checkpoint, noise, sampling)', low=0),
+    Param('prompt_format', 'pi05', "'pi05' (task + state) or 'subtask'",
+          choices=('pi05', 'subtask')),
+    Param('compile', False, 'torch.compile the decode and denoise steps (for CUDA; slow start)'),
+    # robot
+    Param('robot', 'identity', 'robot profile', choices=('identity', 'aloha', 'droid')),
+    Param('profile_options', '', 'YAML mapping of profile options, e.g. "{delta: true}"'),
+    Param('cameras', None, 'camera names, e.g. [cam_high, cam_left_wrist]', 'str[]'),
+    Param('camera_topics', None, 'image topic per camera (relative); default <camera>/image_raw',
+          'str[]'),
+    Param('camera_slots', None, 'model image slot per camera, e.g. base_0_rgb', 'str[]'),
+    Param('optional_cameras', None, 'cameras whose slot is masked instead of holding the robot '
+          'when they are missing or stale', 'str[]'),
+    Param('image_qos', 'sensor_data', 'image subscription QoS', choices=QOS_CHOICES),
+    Param('joint_topics', ['joint_states'], 'sensor_msgs/JointState topics (relative)'),
+    Param('joint_sources', None, 'a name per joint topic, used in `joints` as source/joint; '
+          'may be left out with one topic', 'str[]'),
+    Param('joints', None, 'state joints in order, as source/joint (or joint with one topic)',
+          'str[]'),
+    Param('joint_qos', 'sensor_data', 'joint state subscription QoS', choices=QOS_CHOICES),
+    Param('output_groups', None, 'trajectory outputs, e.g. [left_arm, left_gripper]', 'str[]'),
+    Param('prompt', 'pick up the object', 'task prompt; ~/prompt changes it too', live=True),
+    Param('max_prompt_chars', 500, 'longest prompt accepted', low=1, live=True),
+    # timing
+    Param('control_rate_hz', 70.0, 'trajectory publish rate', low=0.0, above=True),
+    Param('action_rate_hz', 0.0, 'rate the model was trained at: action i is for frame time + '
+          'i / action_rate_hz; 0 = control_rate_hz', low=0.0),
+    Param('max_input_age', 0.5, 's; older inputs (cameras, and each joint) are stale and the '
+          'robot holds', low=0.0, above=True),
+    Param('max_skew', 0.1, 's; the most the inputs of one frame may be apart', low=0.0),
+    Param('narration_every_n_frames', 10, 'start a narration request every n frames; 0 = only '
+          'on demand (~/narrate)', low=0, live=True),
+    Param('report_period', 5.0, 's; the same problem is logged at most once per period',
+          low=0.0, above=True, live=True),
+    Param('diagnostics_rate_hz', 1.0, '/diagnostics publish rate', low=0.0, above=True),
+)
+
+GROUP_PARAMS = (
+    Param('topic', '', 'trajectory topic (relative), e.g. arm_controller/joint_trajectory'),
+    Param('joints', None, 'joint names the controller expects', 'str[]'),
+    Param('indices', None, 'action vector index of each joint', 'int[]', low=0),
+)
+
+BY_NAME = {p.name: p for p in PARAMS}
+
+ENGINE_KEYS = ('model', 'checkpoint', 'tokenizer', 'device', 'threads', 'denoise_steps',
+               'decode_k', 'frame_budget_ms', 'max_requests', 'max_new_tokens', 'admission',
+               'temperature', 'seed', 'prompt_format', 'compile')
+
+
+def coerce(name: str, value, p: Param):
+    """The value of parameter `name` in its declared type, or StartError saying why not."""
+    kind = p.type
+    if value is None:
+        if kind.endswith('[]'):
+            return list(p.default or [])
+        return p.default
+    ok = {
+        'str': isinstance(value, str),
+        'bool': isinstance(value, bool),
+        'int': isinstance(value, int) and not isinstance(value, bool),
+        'float': isinstance(value, (int, float)) and not isinstance(value, bool),
+        'str[]': isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value),
+        'int[]': isinstance(value, (list, tuple)) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in value),
+    }[kind]
+    if not ok:
+        raise StartError(f'parameter {name} must be {kind}, got {value!r}')
+    if kind == 'float':
+        value = float(value)
+        if not math.isfinite(value):
+            raise StartError(f'parameter {name} must be finite, got {value}')
+    items = list(value) if kind.endswith('[]') else [value]
+    for x in items:
+        bad = ((p.low is not None and (x < p.low or (p.above and x == p.low)))
+               or (p.high is not None and x > p.high)
+               or (p.choices and x not in p.choices))
+        if bad:
+            raise StartError(f'parameter {name} must be {p.range_text()}, got {x!r}')
+    return list(value) if kind.endswith('[]') else value
+
+
+def prompt_problem(text: str, limit: int) -> str | None:
+    if not text.strip():
+        return 'empty prompt'
+    if len(text) > limit:
+        return f'prompt of {len(text)} characters is over the limit of {limit}'
+    return None
+
+
+def command_line_params(args, node_name: str) -> dict[str, object]:
+    """The `-p name:=value` rules of a command line that apply to `node_name`, with their
+    values read as ROS reads them (YAML). ROS drops a -p value whose type differs from a
+    params file's value for the same name without a word, so the node checks these itself."""
+    out = {}
+    in_ros = False
+    args = list(args or [])
+    for i, a in enumerate(args):
+        if a == '--ros-args':
+            in_ros = True
+        elif a == '--':
+            in_ros = False
+        elif in_ros and a in ('-p', '--param') and i + 1 < len(args):
+            rule = args[i + 1]
+            name, sep, text = rule.partition(':=')
+            if not sep:
+                continue
+            node, colon, pname = name.rpartition(':')
+            if colon and node not in (node_name, '*', '**') and node.lstrip('/') != node_name:
+                continue
+            try:
+                out[pname] = yaml.safe_load(text)
+            except yaml.YAMLError:
+                out[pname] = text
+    return out
+
+
+@dataclass
+class Group:
+    name: str
+    topic: str
+    joints: list[str]
+    indices: list[int]
+
+
+@dataclass
+class Config:
+    """Checked parameter values and the robot contract that follows from them."""
+
+    p: dict
+    groups: list[Group]
+    profile: object
+    cameras: dict[str, str]  # camera -> topic
+    slots: dict[str, str]  # camera -> model image slot
+    joint_topics: dict[str, str]  # source -> topic
+    joint_map: JointMap
+    wanted: dict[str, set[str]]  # source -> joint names read from it
+    action_period: float
+    # Per action index, where its measured position is read for a hold: (source, joint).
+    hold_sources: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    @classmethod
+    def from_values(cls, values: dict) -> Config:
+        """values: {name: value} for PARAMS and outputs.<group>.<key> for GROUP_PARAMS;
+        names left out take their defaults."""
+        p = {q.name: coerce(q.name, values.get(q.name), q) for q in PARAMS}
+        groups = []
+        for g in p['output_groups']:
+            if not re.fullmatch(r'[A-Za-z][A-Za-z0-9_]*', g):
+                raise StartError(f'output group name {g!r} must be a plain identifier')
+            q = {k.name: coerce(f'outputs.{g}.{k.name}', values.get(f'outputs.{g}.{k.name}'), k)
+                 for k in GROUP_PARAMS}
+            groups.append(Group(g, q['topic'], q['joints'], q['indices']))
+        why = prompt_problem(p['prompt'], p['max_prompt_chars'])
+        if why:
+            raise StartError(f'parameter prompt: {why}')
+        return _contract(p, groups)
+
+    @property
+    def random_weights(self) -> bool:
+        return not self.p['checkpoint']
+
+    def engine_settings(self) -> dict:
+        d = {k: self.p[k] for k in ENGINE_KEYS}
+        d['mode'] = 'oxygen'
+        # The engine's default budget is the chunk duration (action_horizon /
+        # control_rate_hz). A frame that long ends as its chunk runs out, and the robot holds
+        # until the next one: half of it leaves the other half for the latency of the next.
+        d['control_rate_hz'] = 2.0 / self.action_period
+        return d
+
+    def check_engine(self, slots, action_dim: int) -> None:
+        unknown = sorted(set(self.slots.values()) - set(slots))
+        if unknown:
+            raise StartError(f'camera_slots {unknown} are not model slots {list(slots)}')
+        if self.profile.action_dim > action_dim or self.profile.state_dim > action_dim:
+            raise StartError(f'the {self.p["robot"]} profile needs {self.profile.action_dim}-d '
+                             f'actions but model {self.p["model"]!r} has {action_dim}')
+
+    def check_live(self, name: str, value) -> object:
+        """The value a running node may take for `name`, or StartError saying why not."""
+        p = BY_NAME.get(name)
+        if p is None or not p.live:
+            raise StartError(f'{name} cannot change while the node runs; set it before '
+                             'configure (restart the node)')
+        value = coerce(name, value, p)
+        if name == 'max_new_tokens' and value > self.p['max_new_tokens']:
+            raise StartError(f'max_new_tokens may only be lowered while running: the KV cache '
+                             f'was sized for {self.p["max_new_tokens"]}')
+        if name == 'decode_k' and (value == 0) != (self.p['decode_k'] == 0):
+            raise StartError('decode_k cannot switch between adaptive (0) and fixed while '
+                             'running')
+        if name == 'max_command_horizon':
+            _check_horizon(value, self.action_period)
+        if name == 'prompt':
+            why = prompt_problem(value, self.p['max_prompt_chars'])
+            if why:
+                raise StartError(f'prompt: {why}')
+        return value
+
+    def assembler(self) -> Assembler:
+        cams, optional = self.p['cameras'], self.p['optional_cameras']
+        return Assembler(
+            required=[c for c in cams if c not in optional]
+            + [f'joints:{s}' for s in self.joint_topics],
+            optional=optional,
+            max_input_age=self.p['max_input_age'], max_skew=self.p['max_skew'],
+            # One frame per image of the main camera: joint states come faster and would
+            # otherwise rerun the model on the same images.
+            trigger=[next(c for c in cams if c not in optional)])
+
+
+def _check_horizon(horizon: float, period: float) -> None:
+    if horizon < period:
+        raise StartError(f'max_command_horizon {horizon:g} s is shorter than one action period '
+                         f'({period:g} s): no action could ever be sent')
+
+
+def _contract(p: dict, groups: list[Group]) -> Config:
+    try:
+        options = yaml.safe_load(p['profile_options']) if p['profile_options'] else {}
+    except yaml.YAMLError as e:
+        raise StartError(f'profile_options is not YAML: {e}') from None
+    if not isinstance(options, dict):
+        raise StartError(f'profile_options must be a YAML mapping, got {options!r}')
+    if p['robot'] == 'identity':
+        options.setdefault('dim', len(p['joints']))
+    try:
+        profile = make_profile(p['robot'], **options)
+    except (TypeError, ValueError) as e:
+        raise StartError(f'robot profile {p["robot"]!r}: {e}') from None
+
+    cams = p['cameras']
+    if not cams:
+        raise StartError('cameras is empty: name at least one camera')
+    if len(set(cams)) != len(cams):
+        raise StartError(f'cameras lists a name twice: {cams}')
+    topics = p['camera_topics'] or [f'{c}/image_raw' for c in cams]
+    if len(topics) != len(cams) or len(p['camera_slots']) != len(cams):
+        raise StartError(f'cameras ({len(cams)}), camera_topics ({len(topics)}) and '
+                         f'camera_slots ({len(p["camera_slots"])}) must have equal lengths')
+    if len(set(p['camera_slots'])) != len(cams):
+        raise StartError(f'camera_slots lists a slot twice: {p["camera_slots"]}')
+    unknown = sorted(set(p['optional_cameras']) - set(cams))
+    if unknown:
+        raise StartError(f'optional_cameras names unknown cameras {unknown}; cameras: {cams}')
+    if set(p['optional_cameras']) == set(cams):
+        raise StartError('every camera is optional: at least one must be required')
+
+    jt = p['joint_topics']
+    if not jt:
+        raise StartError('joint_topics is empty')
+    sources = p['joint_sources'] or ([''] if len(jt) == 1 else [])
+    if len(sources) != len(jt):
+        raise StartError(f'joint_sources must name each of the {len(jt)} joint_topics, '
+                         f'got {sources}')
+    joint_topics = dict(zip(sources, jt, strict=True))
+    labels = []
+    for label in p['joints']:
+        if len(sources) == 1 and not label.startswith(sources[0] + '/'):
+            src, name = sources[0], label
+        else:
+            src, _, name = label.partition('/')
+        if src not in joint_topics:
+            raise StartError(f'joint {label!r}: no joint source {src!r}; sources: {sources}')
+        labels.append((src, name))
+    try:
+        joint_map = JointMap(labels)
+    except ValueError as e:
+        raise StartError(f'joints: {e}') from None
+    if len(joint_map) != profile.state_dim:
+        raise StartError(f'{len(joint_map)} joints listed but the {p["robot"]} profile '
+                         f'takes a {profile.state_dim}-d state')
+    wanted = {s: {n for src, n in labels if src == s} for s in sources}
+
+    if not groups:
+        raise StartError('output_groups is empty: name at least one trajectory output')
+    hold_sources = {}
+    for g in groups:
+        if not g.topic:
+            raise StartError(f'outputs.{g.name}.topic is empty')
+        if not g.joints or len(g.joints) != len(g.indices):
+            raise StartError(f'outputs.{g.name}: joints ({len(g.joints)}) and indices '
+                             f'({len(g.indices)}) must be non-empty and of equal length')
+        bad = [i for i in g.indices if not 0 <= i < profile.action_dim]
+        if bad:
+            raise StartError(f'outputs.{g.name}.indices {bad} outside the '
+                             f'{profile.action_dim}-d action of {p["robot"]}')
+        for i, joint in zip(g.indices, g.joints, strict=True):
+            # Action i drives state joint i in the built-in profiles, so the controller's
+            # joint is read from the same source (e.g. ALOHA's `gripper` from follower_left).
+            src = labels[i][0] if i < len(labels) else sources[0]
+            hold_sources[i] = (src, joint)
+    period = 1.0 / (p['action_rate_hz'] or p['control_rate_hz'])
+    _check_horizon(p['max_command_horizon'], period)
+    return Config(p, groups, profile, dict(zip(cams, topics, strict=True)),
+                  dict(zip(cams, p['camera_slots'], strict=True)), joint_topics, joint_map,
+                  wanted, period, hold_sources)

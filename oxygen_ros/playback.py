@@ -1,0 +1,151 @@
+"""Which points of the current action chunk to publish at time t, and when to hold.
+
+A chunk's action i is for its frame time + i action periods. Every control tick the player
+publishes the actions still ahead, up to `horizon` seconds ahead and, with `play_steps`,
+only the first n actions of the chunk. When there is nothing left to play (chunk used up,
+inputs stale, model failure, deactivate, shutdown) it says "hold" once: one point at the
+last measured positions with zero velocity, which replaces whatever the controller is
+executing. Plain numpy in and out, so the tests drive it without ROS.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Chunk:
+    stamp: float  # frame time; action i is for stamp + i * period
+    period: float
+    positions: np.ndarray  # [H, action_dim] targets in robot units
+    velocities: np.ndarray
+    actions: np.ndarray | None = None  # the model's actions the targets came from
+    state: np.ndarray | None = None  # the raw robot state of the frame
+    # (first, measured raw state) -> targets [H - first, action_dim] of actions first..H-1,
+    # for profiles whose targets are relative to where the robot is (velocities).
+    reanchor: Callable[[int, np.ndarray], np.ndarray] | None = None
+
+
+def velocities(positions: np.ndarray, period: float) -> np.ndarray:
+    p = np.asarray(positions, dtype=np.float64)
+    v = np.gradient(p, period, axis=0) if len(p) > 1 else np.zeros_like(p)
+    # joint_trajectory_controller rejects a trajectory that ends moving.
+    v[-1] = 0.0
+    return v
+
+
+def make_chunk(stamp: float, period: float, positions, actions=None, state=None,
+               reanchor=None) -> Chunk:
+    p = np.asarray(positions, dtype=np.float64)
+    if p.ndim != 2 or not len(p):
+        raise ValueError(f'a chunk needs [H >= 1, action_dim] positions, got {p.shape}')
+    return Chunk(stamp, period, p, velocities(p, period), actions, state, reanchor)
+
+
+def remaining(chunk: Chunk, now: float) -> int:
+    """Index of the first action still in the future at `now`."""
+    times = chunk.stamp + chunk.period * np.arange(len(chunk.positions))
+    return int(np.searchsorted(times, now, side='right'))
+
+
+@dataclass
+class Command:
+    """What to publish now: points at `times` (seconds from now, increasing, > 0)."""
+
+    times: np.ndarray
+    positions: np.ndarray  # [N, action_dim]; NaN where a hold has no measured position
+    velocities: np.ndarray
+    hold: str | None = None  # why, when this is a hold
+
+
+class Player:
+    """The current chunk and what to publish from it.
+
+    horizon: no published point lies further ahead than this (s).
+    play_steps: play only the first n actions of each chunk, then hold unless a newer
+    chunk has arrived (LeRobot's n_action_steps, openpi's open_loop_horizon); 0 = all.
+    hold_after: time_from_start of the single hold point (s).
+    """
+
+    def __init__(self, horizon: float, play_steps: int = 0, hold_after: float = 0.01):
+        if horizon <= 0 or play_steps < 0 or hold_after <= 0:
+            raise ValueError(f'horizon and hold_after must be > 0 and play_steps >= 0, got '
+                             f'{horizon}, {hold_after}, {play_steps}')
+        self.horizon = horizon
+        self.play_steps = play_steps
+        self.hold_after = hold_after
+        self._chunk: Chunk | None = None
+        self._hold: str | None = None  # a hold still to be published, and why
+        self._lock = threading.Lock()
+
+    @property
+    def chunk(self) -> Chunk | None:
+        return self._chunk
+
+    def play(self, chunk: Chunk) -> None:
+        with self._lock:
+            self._chunk = chunk
+            self._hold = None
+
+    def stop(self, why: str) -> bool:
+        """Drop the chunk and hold at the next tick. False when already stopped (nothing was
+        being commanded, so there is nothing to replace)."""
+        with self._lock:
+            if self._chunk is None:
+                return False
+            self._chunk = None
+            self._hold = why
+            return True
+
+    def tick(self, now: float, measured: Callable[[], np.ndarray | None] | None = None,
+             hold_at: Callable[[], np.ndarray] | None = None) -> Command | None:
+        """What to publish at `now`: the chunk's points still ahead, a hold, or None.
+
+        measured: gives the latest raw robot state, for chunks that re-anchor on it.
+        hold_at: gives [action_dim] positions to hold at (the last measured ones).
+        Both are called only when needed.
+        """
+        with self._lock:
+            chunk = self._chunk
+            if chunk is not None:
+                first = remaining(chunk, now)
+                last = len(chunk.positions)
+                if self.play_steps and self.play_steps < last:
+                    last = self.play_steps
+                    done = f'the first {last} actions of the chunk are played'
+                else:
+                    done = 'action chunk used up before the next one arrived'
+                if first >= last:
+                    self._chunk, chunk, self._hold = None, None, done
+            if chunk is None:
+                why, self._hold = self._hold, None
+                if why is None:
+                    return None
+                if hold_at is None:
+                    raise ValueError('a hold needs the positions to hold at')
+                pos = np.asarray(hold_at(), dtype=np.float64)[None]
+                return Command(np.array([self.hold_after]), pos, np.zeros_like(pos), hold=why)
+        times = chunk.stamp + chunk.period * np.arange(first, last) - now
+        n = int(np.searchsorted(times, self.horizon, side='right'))
+        if n == 0:
+            # The next action lies beyond the horizon (a horizon under one action period):
+            # nothing may be sent yet.
+            return None
+        state = measured() if chunk.reanchor is not None and measured is not None else None
+        if state is not None:
+            positions = np.asarray(chunk.reanchor(first, state), dtype=np.float64)
+            expected = (len(chunk.positions) - first, chunk.positions.shape[1])
+            if positions.shape != expected:
+                raise ValueError(f'reanchor returned {positions.shape}, expected {expected}')
+            vel = velocities(positions, chunk.period)
+        else:
+            positions = chunk.positions[first:]
+            vel = chunk.velocities[first:]
+        vel = vel[:n].copy()
+        # The last published point must be at rest, as the controller requires.
+        vel[-1] = 0.0
+        return Command(times[:n], positions[:n], vel)

@@ -1,0 +1,348 @@
+"""oxygen_node's lifecycle, safe stop, input checks and live parameters, driven as a user
+would: the lifecycle and parameter services over rclpy, a fake robot publishing cameras and
+joint states, and every trajectory received on both output topics.
+
+The tests run in order on one node process (configure, activate, the stop causes, ...).
+"""
+import importlib.util
+import os
+import pathlib
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+rclpy = pytest.importorskip('rclpy')
+ament = pytest.importorskip('ament_index_python.packages')
+pytest.importorskip('oxygen_ros.msg', reason='oxygen_ros.msg exists only in a colcon build '
+                    '(make test)')
+
+from lifecycle_msgs.msg import Transition  # noqa: E402
+from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
+from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue  # noqa: E402
+from rcl_interfaces.srv import SetParameters  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
+from test_node import (  # noqa: E402
+    ARM,
+    JOINTS,
+    PARAMS,
+    Robot,
+    joint_state,
+    node_env,
+    node_process,
+    run_node,
+    wait_for,
+    write_params,
+)
+from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+# max_input_age below the tiny model's 0.4 s chunk, so a stale input, not the end of the
+# chunk, is what stops the robot.
+LIFECYCLE = dict(PARAMS, autostart=False, publish_predicted=True, max_input_age=0.25)
+# What the fake robot measures: joint i of JOINTS reads 0.1 * i.
+MEASURED = {j: 0.1 * i for i, j in enumerate(JOINTS)}
+
+
+class User(Robot):
+    """The robot, plus what a user has: lifecycle and parameter services, the gripper and
+    predicted-trajectory topics."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.leave_out = set()
+        self.huge_gripper = False
+        self.grip = []
+        self.predicted = []
+        reliable = QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE)
+        node.create_subscription(JointTrajectory, '/gripper_controller/joint_trajectory',
+                                 lambda m: self.grip.append((time.monotonic(), m)), reliable)
+        node.create_subscription(JointTrajectory, '/oxygen_node/predicted_trajectory',
+                                 self.predicted.append, reliable)
+        self.change = node.create_client(ChangeState, '/oxygen_node/change_state')
+        self.get = node.create_client(GetState, '/oxygen_node/get_state')
+        self.params = node.create_client(SetParameters, '/oxygen_node/set_parameters')
+
+    def _joints(self):
+        names = [j for j in JOINTS if j not in self.leave_out]
+        m = joint_state(self._stamp(), names)
+        # Each joint reads its own value whichever others are left out. A gripper at 1e39 is
+        # finite as float64 and infinite once the model casts the state to float32.
+        m.position = [1e39 if self.huge_gripper and j == 'gripper' else MEASURED[j]
+                      for j in names]
+        self.joint_pub.publish(m)
+
+    def call(self, client, request, timeout=60):
+        assert client.wait_for_service(timeout_sec=30), 'service not offered'
+        future = client.call_async(request)
+        assert wait_for(future.done, timeout), 'no answer'
+        return future.result()
+
+    def transition(self, label):
+        req = ChangeState.Request()
+        req.transition = Transition(label=label)
+        return self.call(self.change, req).success
+
+    def state(self):
+        return self.call(self.get, GetState.Request()).current_state.label
+
+    def set_param(self, name, value):
+        v = ParameterValue()
+        if isinstance(value, bool):
+            v.type, v.bool_value = ParameterType.PARAMETER_BOOL, value
+        elif isinstance(value, int):
+            v.type, v.integer_value = ParameterType.PARAMETER_INTEGER, value
+        elif isinstance(value, float):
+            v.type, v.double_value = ParameterType.PARAMETER_DOUBLE, value
+        else:
+            v.type, v.string_value = ParameterType.PARAMETER_STRING, value
+        req = SetParameters.Request(parameters=[Parameter(name=name, value=v)])
+        return self.call(self.params, req).results[0]
+
+
+@pytest.fixture(scope='module')
+def domain():
+    return str(random.randint(1, 110))
+
+
+@pytest.fixture(scope='module')
+def user(domain, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('lifecycle')
+    with node_process(tmp, LIFECYCLE, domain, 'user', User,
+                      '-r', 'front/image:=/remapped/front') as (proc, u):
+        u.proc = proc
+        assert wait_for(lambda: 'unconfigured: waiting' in u.log() or proc.poll() is not None,
+                        60), u.log()
+        assert proc.poll() is None, u.log()
+        yield u
+
+
+def seconds_of(d):
+    return d.sec + d.nanosec * 1e-9
+
+
+def is_hold(msg, joints):
+    """One point at the measured positions, at rest."""
+    return (len(msg.points) == 1 and list(msg.joint_names) == joints
+            and list(msg.points[0].positions) == pytest.approx([MEASURED[j] for j in joints])
+            and list(msg.points[0].velocities) == [0.0] * len(joints))
+
+
+def after(received, t):
+    return [m for at, m in list(received) if at >= t]
+
+
+def commanding(user, seconds=1.0):
+    return user.rate(seconds) > 0
+
+
+def test_unconfigured_and_inactive_publish_nothing(user):
+    assert user.state() == 'unconfigured'
+    assert not commanding(user)
+    assert user.transition('configure')
+    assert user.state() == 'inactive'
+    assert re.search(r'configured: model tiny with RANDOM weights \(seed 0, no checkpoint\)',
+                     user.log())
+    assert not commanding(user), 'commands while inactive'
+
+
+def test_active_commands_both_groups_and_the_predicted_chunk(user):
+    assert user.transition('activate')
+    assert user.state() == 'active'
+    assert wait_for(lambda: len(user.traj) > 20 and len(user.grip) > 20, 30), user.log()[-3000:]
+    assert user.rate(1.0) > 0.5 * 70
+    m = user.predicted[-1]
+    assert m.joint_names == [f'arm/{j}' for j in ARM] + ['gripper/gripper']
+    # The tiny model's 4 actions, 0.1 s apart from the frame stamp.
+    assert [seconds_of(p.time_from_start) for p in m.points] == pytest.approx(
+        [0.0, 0.1, 0.2, 0.3], abs=1e-6)
+    assert m.header.stamp.sec > 0
+
+
+def test_deactivate_holds_once_then_silence(user):
+    t = time.monotonic()
+    assert user.transition('deactivate')
+    time.sleep(1.0)
+    arm, grip = after(user.traj, t), after(user.grip, t)
+    # Anything sent before the hold was in flight already; the hold comes last, once.
+    assert arm and is_hold(arm[-1], ARM), arm[-1:]
+    assert grip and is_hold(grip[-1], ['gripper']), grip[-1:]
+    assert sum(is_hold(m, ARM) for m in arm) == 1
+    assert seconds_of(arm[-1].points[0].time_from_start) == pytest.approx(1 / 70, abs=1e-6)
+    assert not commanding(user)
+    assert re.search(r'holding: deactivated', user.log())
+
+
+def wait_for_hold(user, t, pattern, timeout=5.0):
+    assert wait_for(lambda: re.search(pattern, user.log()), timeout), user.log()[-3000:]
+    assert wait_for(lambda: any(is_hold(m, ARM) for m in after(user.traj, t)), 2.0), (
+        'no hold trajectory')
+    time.sleep(0.5)
+    assert sum(is_hold(m, ARM) for m in after(user.traj, t)) == 1
+    assert not commanding(user, 0.5), 'commands after the hold'
+
+
+def resume(user):
+    assert wait_for(lambda: user.rate(0.3) > 0.5 * 70, 10), user.log()[-3000:]
+
+
+def test_stale_camera_holds(user):
+    assert user.transition('activate')
+    resume(user)
+    t = time.monotonic()
+    user.paused.add('wrist')
+    try:
+        wait_for_hold(user, t, r'holding: inputs: wrist stale')
+    finally:
+        user.paused.clear()
+    resume(user)
+
+
+def test_future_stamps_are_rejected_not_played_late(user):
+    t = time.monotonic()
+    user.lag['wrist'] = -1.0  # stamped 1 s ahead
+    try:
+        wait_for_hold(user, t, r'camera wrist: stamp \d+ ms in the future \(limit 50 ms\); '
+                      'message dropped')
+        assert re.search(r'holding: inputs: wrist stale', user.log())
+    finally:
+        user.lag.clear()
+    resume(user)
+
+
+def test_joint_missing_from_its_topic_holds(user):
+    t = time.monotonic()
+    user.leave_out = {'fr3_joint2', 'fr3_joint3'}
+    try:
+        wait_for_hold(user, t, r'joint_states: joints fr3_joint2, fr3_joint3 missing from its '
+                      r'messages for \d+ ms \(limit 250 ms\): stale')
+    finally:
+        user.leave_out = set()
+    resume(user)
+
+
+def test_model_failure_holds(user):
+    t = time.monotonic()
+    user.huge_gripper = True
+    try:
+        # The engine's own words for the infinite state follow "model failure: ".
+        wait_for_hold(user, t, r'holding: model failure: ')
+        assert 'frame failed: ' in user.log()
+    finally:
+        user.huge_gripper = False
+    resume(user)
+
+
+def test_parameters_set_live_or_refused_with_a_reason(user):
+    ok = user.set_param('temperature', 0.5)
+    assert ok.successful, ok.reason
+    for name, value, reason in [
+        ('control_rate_hz', 50.0, 'read-only'),
+        ('device', 'cuda', 'read-only'),
+        ('temperature', -1.0, 'temperature out of range Min: 0.0'),  # rclpy's range check
+        ('temperature', 'hot', 'temperature must be float'),
+        ('max_new_tokens', 100, 'sized for 8'),
+    ]:
+        r = user.set_param(name, value)
+        assert not r.successful and reason in r.reason, (name, r.reason)
+    # Live values act at once: the horizon bounds every point, play_steps the chunk.
+    assert user.set_param('max_command_horizon', 0.15).successful
+    t = time.monotonic()
+    time.sleep(1.0)
+    for m in after(user.traj, t)[5:]:
+        assert all(seconds_of(p.time_from_start) <= 0.15 for p in m.points)
+    assert user.set_param('max_command_horizon', 0.5).successful
+    assert user.set_param('play_steps', 2).successful
+    t = time.monotonic()
+    time.sleep(1.0)
+    sent = after(user.traj, t)[5:]
+    # Only action 1 of each chunk is ever ahead (action 0 is the frame's own time).
+    assert sent and all(len(m.points) == 1 for m in sent)
+    assert user.set_param('play_steps', 0).successful
+
+
+def test_sigint_twice_holds_and_exits_cleanly(user):
+    resume(user)
+    t = time.monotonic()
+    # Again and again until it exits, as an impatient user (or `timeout` signalling the
+    # process group under ros2 launch): later ones land while the first is being handled.
+    end = time.monotonic() + 20
+    while user.proc.poll() is None and time.monotonic() < end:
+        try:
+            user.proc.send_signal(signal.SIGINT)
+        except ProcessLookupError:
+            break
+        time.sleep(0.005)
+    assert user.proc.wait(5) == 0, user.log()[-3000:]
+    log = user.log()
+    assert 'Traceback' not in log and 'KeyboardInterrupt' not in log, log[-3000:]
+    assert 'SIGINT again: already shutting down' in log
+    time.sleep(0.3)
+    arm = after(user.traj, t)
+    assert arm and is_hold(arm[-1], ARM), arm[-1:]
+
+
+def test_random_weights_on_a_robot_refuse_to_activate(tmp_path, domain):
+    out = run_node(tmp_path, domain, ['-p', 'allow_random_weights:=false'])
+    assert out.returncode == 1, out.stderr
+    assert 'refusing to activate: the droid robot would be driven by RANDOM weights' in (
+        out.stderr + out.stdout)
+    assert 'Traceback' not in out.stderr + out.stdout
+
+
+def test_mistyped_command_line_value_is_an_error_next_to_a_params_file(tmp_path, domain):
+    # ROS itself keeps the params file's 70.0 and drops the string without a word.
+    out = run_node(tmp_path, domain, ['-p', 'control_rate_hz:=fast'])
+    assert out.returncode == 1, out.stderr
+    assert "parameter control_rate_hz must be float, got 'fast'" in out.stderr
+    assert 'Traceback' not in out.stderr + out.stdout
+
+
+def test_node_started_without_autostart_stays_unconfigured_on_sigterm(tmp_path, domain):
+    params = write_params(tmp_path / 'p.yaml', dict(PARAMS, autostart=False))
+    proc = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file',
+                             params], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=node_env(domain))
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out
+    assert 'unconfigured: waiting for lifecycle transitions' in out
+    assert 'Traceback' not in out
+
+
+@pytest.mark.skipif(shutil.which('ros2') is None or importlib.util.find_spec('launch_ros') is None,
+                    reason='ros2 launch is not installed (see shared/ros-overlay)')
+def test_ros2_launch_survives_a_second_sigint(tmp_path, domain):
+    """Ctrl-C twice in a terminal: the whole process group gets SIGINT twice, the nodes
+    while they are already shutting down."""
+    share = pathlib.Path(ament.get_package_share_directory('oxygen_ros'))
+    sim = yaml.safe_load((share / 'config' / 'sim.yaml').read_text())
+    sim['/**']['ros__parameters'].update(model='tiny', image_width=64, image_height=48)
+    params = tmp_path / 'sim_tiny.yaml'
+    params.write_text(yaml.safe_dump(sim))
+    log = tmp_path / 'launch.log'
+    with open(log, 'w') as out:
+        proc = subprocess.Popen(
+            ['ros2', 'launch', 'oxygen_ros', 'pi05.launch.py', 'robot:=sim', 'sim:=true',
+             f'params_file:={params}', 'device:=cpu'],
+            stdout=out, stderr=subprocess.STDOUT, env=node_env(domain), start_new_session=True)
+        try:
+            assert wait_for(lambda: 'active: commanding' in log.read_text(), 90), log.read_text()
+            time.sleep(1.0)
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert 'Traceback' not in text and 'KeyboardInterrupt' not in text, text[-3000:]
+    assert text.count('process has finished cleanly') == 2, text[-3000:]

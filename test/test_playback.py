@@ -1,0 +1,138 @@
+"""Chunk playback without ROS: which points are published at time t, the horizon bound,
+play_steps, re-anchoring on the measured state, and holds."""
+import numpy as np
+import pytest
+
+from oxygen_ros.playback import Player, make_chunk, remaining
+
+
+def test_chunk_velocities_by_hand():
+    pos = np.array([[0.0, 1.0], [1.0, 1.0], [4.0, 0.5]])
+    c = make_chunk(10.0, 0.5, pos)
+    assert c.stamp == 10.0 and c.period == 0.5
+    np.testing.assert_array_equal(c.positions, pos)
+    # Central differences inside, one-sided at the start, and the last point at rest.
+    np.testing.assert_allclose(c.velocities, [[2.0, 0.0], [4.0, -0.5], [0.0, 0.0]])
+    one = make_chunk(0.0, 0.1, [[3.0, 4.0]])
+    assert one.velocities.tolist() == [[0.0, 0.0]]
+    with pytest.raises(ValueError, match='a chunk needs'):
+        make_chunk(0.0, 0.1, np.zeros((0, 2)))
+
+
+def test_remaining_skips_actions_already_due():
+    c = make_chunk(10.0, 0.25, np.zeros((4, 1)))  # actions at 10, 10.25, 10.5, 10.75
+    assert remaining(c, 9.0) == 0
+    assert remaining(c, 10.0) == 1  # due now: no longer ahead
+    assert remaining(c, 10.3) == 2
+    assert remaining(c, 10.75) == 4  # used up
+    assert remaining(c, 11.0) == 4
+
+
+def ramp(n=10, period=0.1, stamp=0.0):
+    # Joint 0 at 1, 2, 3, ... ; joint 1 constant 5.
+    return make_chunk(stamp, period, np.stack([np.arange(1.0, n + 1), np.full(n, 5.0)], 1))
+
+
+def hold_at():
+    return np.array([0.5, -0.5])
+
+
+def test_points_ahead_within_the_horizon():
+    p = Player(horizon=0.36)
+    p.play(ramp())
+    cmd = p.tick(0.05, hold_at=hold_at)
+    # Actions 1.. at 0.1, 0.2, ... s; 0.05 s in, those up to 0.36 s ahead: 0.1, 0.2, 0.3, 0.4.
+    np.testing.assert_allclose(cmd.times, [0.05, 0.15, 0.25, 0.35])
+    np.testing.assert_allclose(cmd.positions[:, 0], [2, 3, 4, 5])
+    # Slope 1 per 0.1 s = 10/s inside; the last published point at rest.
+    np.testing.assert_allclose(cmd.velocities[:, 0], [10, 10, 10, 0])
+    assert cmd.hold is None
+
+
+def test_used_up_chunk_holds_once_at_the_measured_positions():
+    p = Player(horizon=1.0, hold_after=0.02)
+    p.play(ramp(n=3))
+    assert p.tick(0.15, hold_at=hold_at).positions[0, 0] == 3  # action 2 still ahead
+    cmd = p.tick(0.25, hold_at=hold_at)
+    assert cmd.hold == 'action chunk used up before the next one arrived'
+    np.testing.assert_array_equal(cmd.times, [0.02])
+    np.testing.assert_array_equal(cmd.positions, [[0.5, -0.5]])
+    np.testing.assert_array_equal(cmd.velocities, [[0.0, 0.0]])
+    assert p.tick(0.3, hold_at=hold_at) is None  # said once
+    assert p.tick(0.4, hold_at=hold_at) is None
+
+
+def test_play_steps_then_hold_unless_a_newer_chunk():
+    p = Player(horizon=1.0, play_steps=3)
+    p.play(ramp())
+    cmd = p.tick(0.0, hold_at=hold_at)
+    np.testing.assert_allclose(cmd.positions[:, 0], [2, 3])  # actions 1, 2 of the first 3
+    assert p.tick(0.25, hold_at=hold_at).hold == 'the first 3 actions of the chunk are played'
+    p.play(ramp(stamp=0.3))
+    np.testing.assert_allclose(p.tick(0.3, hold_at=hold_at).positions[:, 0], [2, 3])
+    # A newer chunk before the first 3 are played replaces the old one at once.
+    p.play(ramp(stamp=0.35))
+    np.testing.assert_allclose(p.tick(0.36, hold_at=hold_at).times, [0.09, 0.19])
+
+
+def test_stop_replaces_the_chunk_with_one_hold():
+    p = Player(horizon=1.0)
+    assert not p.stop('inputs stale')  # nothing commanded: nothing to replace
+    assert p.tick(0.0, hold_at=hold_at) is None
+    p.play(ramp())
+    assert p.stop('inputs: wrist stale')
+    assert not p.stop('again')
+    cmd = p.tick(0.05, hold_at=hold_at)
+    assert cmd.hold == 'inputs: wrist stale'
+    np.testing.assert_array_equal(cmd.positions, [[0.5, -0.5]])
+    assert p.tick(0.06, hold_at=hold_at) is None
+    # A new chunk plays again.
+    p.play(ramp(stamp=0.1))
+    assert p.tick(0.1, hold_at=hold_at).hold is None
+
+
+def test_nothing_within_the_horizon_sends_nothing():
+    p = Player(horizon=0.05)
+    p.play(ramp())
+    assert p.tick(0.0, hold_at=hold_at) is None  # the next action is 0.1 s ahead
+    assert p.tick(0.06, hold_at=hold_at).times.tolist() == pytest.approx([0.04])
+
+
+def test_reanchor_on_the_measured_state():
+    # A DROID-like chunk: target_i = q_measured + 0.2 * v_i with the model's v.
+    v = np.array([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0], [4.0, 0.0]])
+    q0 = np.array([10.0, 20.0])
+    seen = []
+
+    def reanchor(first, measured):
+        seen.append((first, measured.copy()))
+        return measured + 0.2 * v[first:]
+
+    c = make_chunk(0.0, 0.1, q0 + 0.2 * v, actions=v, state=q0, reanchor=reanchor)
+    assert c.actions is v and c.state is q0
+    p = Player(horizon=1.0)
+    p.play(c)
+    q = np.array([11.0, 19.0])
+    cmd = p.tick(0.15, measured=lambda: q, hold_at=hold_at)
+    assert seen[-1][0] == 2 and seen[-1][1].tolist() == [11.0, 19.0]
+    np.testing.assert_allclose(cmd.positions, [[11.6, 19.0], [11.8, 19.0]])
+    # Slope (11.8 - 11.6) / 0.1 = 2/s, and the end at rest.
+    np.testing.assert_allclose(cmd.velocities, [[2.0, 0.0], [0.0, 0.0]])
+    # Without a measured state the frame's own positions are used.
+    cmd = p.tick(0.15, measured=lambda: None, hold_at=hold_at)
+    np.testing.assert_allclose(cmd.positions[:, 0], [10.6, 10.8])
+
+
+def test_reanchor_of_the_wrong_shape_is_an_error():
+    c = make_chunk(0.0, 0.1, np.zeros((4, 2)), reanchor=lambda first, m: np.zeros((1, 2)))
+    p = Player(horizon=1.0)
+    p.play(c)
+    with pytest.raises(ValueError, match=r'reanchor returned \(1, 2\), expected \(3, 2\)'):
+        p.tick(0.05, measured=lambda: np.zeros(2), hold_at=hold_at)
+
+
+def test_bad_limits():
+    with pytest.raises(ValueError):
+        Player(horizon=0.0)
+    with pytest.raises(ValueError):
+        Player(horizon=1.0, play_steps=-1)

@@ -1,0 +1,345 @@
+#!/usr/bin/env python3
+"""oxygen_node under a real robot's input load, judged by an independent trajectory checker.
+
+    source install/setup.bash
+    python tools/node_load.py --setup aloha [--seconds 60]   # ALOHA: 4 cams 640x480 rgb8
+                                                             # at 60 Hz, 2 JointStates at 500 Hz
+    python tools/node_load.py --setup sim                    # the default sim (sim.yaml)
+
+Three processes, as on a robot: the node, the robot side (a load generator publishing
+pre-built messages for `aloha`, oxygen_sim_robot for `sim`) and this one, which only
+listens. Every trajectory on every output topic is checked against the acceptance rules of
+joint_trajectory_controller (Jazzy); counting starts `--warmup` seconds after the first
+trajectory, so model loading is not held against the rates. Prints, per topic: rate, p99
+and max gap, rejected messages with the reasons; and from the node's /diagnostics over the
+same window: hold ticks, skipped frames, frames, missed ticks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config_dir() -> Path:
+    try:
+        from ament_index_python.packages import get_package_share_directory
+
+        return Path(get_package_share_directory('oxygen_ros')) / 'config'
+    except Exception:  # not installed with colcon: the source tree
+        return ROOT / 'config'
+
+
+def robot_params(path: Path) -> dict:
+    doc = yaml.safe_load(path.read_text())
+    return doc['/**']['ros__parameters']
+
+
+# -- the checker: joint_trajectory_controller's acceptance rules, written from its docs ------
+
+def jtc_problems(msg, joints: list[str], now: float) -> list[str]:
+    """Why joint_trajectory_controller (Jazzy defaults: no partial goals, no non-zero end
+    velocity) would reject `msg`, a trajectory_msgs/JointTrajectory; [] = accepted."""
+    out = []
+    names = list(msg.joint_names)
+    if not names:
+        out.append('empty joint_names')
+    if len(set(names)) != len(names):
+        out.append('a joint named twice')
+    unknown = sorted(set(names) - set(joints))
+    if unknown:
+        out.append(f'unknown joints {unknown}')
+    if set(names) != set(joints) and not unknown:
+        out.append('partial joint set')
+    if not msg.points:
+        out.append('no points')
+        return out
+    prev = -math.inf
+    for k, p in enumerate(msg.points):
+        t = p.time_from_start.sec + p.time_from_start.nanosec * 1e-9
+        if t <= prev:
+            out.append(f'time_from_start not increasing at point {k}')
+        prev = t
+        if len(p.positions) != len(names):
+            out.append(f'point {k}: {len(p.positions)} positions for {len(names)} joints')
+        for field in ('velocities', 'accelerations'):
+            n = len(getattr(p, field))
+            if n not in (0, len(names)):
+                out.append(f'point {k}: {n} {field} for {len(names)} joints')
+        values = list(p.positions) + list(p.velocities) + list(p.accelerations)
+        if not all(math.isfinite(x) for x in values):
+            out.append(f'point {k}: non-finite value')
+    last = msg.points[-1]
+    if any(v != 0.0 for v in last.velocities):
+        out.append('trajectory ends with non-zero velocity')
+    stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+    if stamp > 0 and stamp + prev < now:
+        out.append('whole trajectory lies in the past')
+    return out
+
+
+class Checker:
+    def __init__(self, node, params: dict):
+        from diagnostic_msgs.msg import DiagnosticArray
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+        from trajectory_msgs.msg import JointTrajectory
+
+        self.node = node
+        reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        self.topics = {}
+        self.arrivals = {}
+        self.rejected = {}
+        self.counting = False
+        self.first = None
+        self.diag = {}
+        for g in params['output_groups']:
+            out = params['outputs'][g]
+            self.topics[g] = out['joints']
+            self.arrivals[g] = []
+            self.rejected[g] = {}
+            node.create_subscription(JointTrajectory, out['topic'],
+                                     lambda m, g=g: self._on_traj(g, m), reliable)
+        node.create_subscription(DiagnosticArray, '/diagnostics', self._on_diag, 10)
+
+    def _on_traj(self, g, msg):
+        t = time.monotonic()
+        if self.first is None:
+            self.first = t
+        if not self.counting:
+            return
+        self.arrivals[g].append(t)
+        for why in jtc_problems(msg, self.topics[g], self.node.get_clock().now().nanoseconds
+                                * 1e-9):
+            self.rejected[g][why] = self.rejected[g].get(why, 0) + 1
+
+    def _on_diag(self, msg):
+        for st in msg.status:
+            if st.name.startswith('oxygen_node'):
+                self.diag = {kv.key: kv.value for kv in st.values}
+
+
+# -- the robot side for --setup aloha -------------------------------------------------------
+
+def load(params_file: str, cam_hz: float, joint_hz: float, width: int, height: int,
+         image_qos: str):
+    """Four cameras and two JointState topics from pre-built messages (only stamps change),
+    so the load generator spends as little as possible of the shared CPU."""
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+    from sensor_msgs.msg import Image, JointState
+
+    # The RealSense driver publishes images reliable (depth 1 here: only the newest counts).
+    cam_qos = (qos_profile_sensor_data if image_qos == 'best_effort' else
+               QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
+
+    p = robot_params(Path(params_file))
+    rclpy.init()
+    node = rclpy.create_node('aloha_load')
+    cams = ['cam_high', 'cam_low', 'cam_left_wrist', 'cam_right_wrist']
+    images = []
+    rng = np.random.default_rng(0)
+    for c in cams:
+        m = Image()
+        m.header.frame_id = c
+        m.height, m.width, m.encoding, m.step = height, width, 'rgb8', width * 3
+        m.data = rng.integers(0, 255, height * width * 3, dtype=np.uint8).tobytes()
+        images.append((node.create_publisher(Image, f'{c}/camera/color/image_rect_raw',
+                                             cam_qos), m))
+    arm = ['waist', 'shoulder', 'elbow', 'forearm_roll', 'wrist_angle', 'wrist_rotate',
+           'gripper', 'left_finger', 'right_finger']
+    joints = []
+    for topic in p['joint_topics']:
+        m = JointState()
+        m.name = arm
+        m.position = [0.0] * 6 + [0.5, 0.04, -0.04]
+        m.velocity = [0.0] * len(arm)
+        m.effort = [0.0] * len(arm)
+        joints.append((node.create_publisher(JointState, topic, qos_profile_sensor_data), m))
+
+    def publish(pairs):
+        stamp = node.get_clock().now().to_msg()
+        for pub, m in pairs:
+            m.header.stamp = stamp
+            pub.publish(m)
+
+    node.create_timer(1.0 / cam_hz, lambda: publish(images))
+    node.create_timer(1.0 / joint_hz, lambda: publish(joints))
+    ex = SingleThreadedExecutor()
+    ex.add_node(node)
+    try:
+        ex.spin()
+    except Exception:  # SIGINT/SIGTERM
+        pass
+    finally:
+        rclpy.try_shutdown()
+
+
+# -- the run -------------------------------------------------------------------------------
+
+def stats(arrivals: list[float], seconds: float) -> dict:
+    gaps = np.diff(arrivals) if len(arrivals) > 1 else np.array([math.inf])
+    return dict(rate_hz=len(arrivals) / seconds, gap_ms_p99=float(np.percentile(gaps, 99) * 1e3),
+                gap_ms_max=float(gaps.max() * 1e3))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--setup', choices=('aloha', 'sim'), default='aloha')
+    ap.add_argument('--seconds', type=float, default=60.0)
+    ap.add_argument('--warmup', type=float, default=10.0)
+    ap.add_argument('--model', default='small')
+    ap.add_argument('--cam-hz', type=float, default=60.0)
+    ap.add_argument('--joint-hz', type=float, default=500.0)
+    ap.add_argument('--size', default='640x480', help='camera image WxH (aloha)')
+    ap.add_argument('--camera-qos', choices=('reliable', 'best_effort'), default='reliable',
+                    help='how the load publishes images (RealSense: reliable)')
+    ap.add_argument('--dds-profile', default=str(config_dir() / 'fastdds.xml'),
+                    help="Fast DDS profile for every process ('' = Fast DDS defaults)")
+    ap.add_argument('--out', help='write the numbers as JSON here')
+    ap.add_argument('--node-arg', action='append', default=[],
+                    help='extra -p name:=value for the node (repeatable)')
+    ap.add_argument('--role', default='', help=argparse.SUPPRESS)
+    ap.add_argument('--params', default='', help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    w, h = (int(x) for x in a.size.split('x'))
+    if a.role == 'load':
+        return load(a.params, a.cam_hz, a.joint_hz, w, h, a.camera_qos)
+
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    cfg = config_dir()
+    robot_file = cfg / ('aloha.yaml' if a.setup == 'aloha' else 'sim.yaml')
+    params = robot_params(robot_file)
+    tmp = Path(tempfile.mkdtemp(prefix='node_load_'))
+    extra = tmp / 'extra.yaml'
+    extra.write_text(yaml.safe_dump({'/**': {'ros__parameters': {
+        'model': a.model, 'device': 'cpu', 'threads': 1, 'autostart': True,
+        'allow_random_weights': True}}}))
+    env = dict(os.environ, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1',
+               ROS_DOMAIN_ID=os.environ.get('ROS_DOMAIN_ID', str(np.random.randint(100, 230))))
+    env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
+    if a.dds_profile:
+        env['FASTRTPS_DEFAULT_PROFILES_FILE'] = a.dds_profile
+    else:
+        env.pop('FASTRTPS_DEFAULT_PROFILES_FILE', None)
+    node_args = [x for p in a.node_arg for x in ('-p', p)]
+    # As pi05.launch.py layers them: model and engine, then the robot, then overrides.
+    ros = ['--ros-args', '--params-file', str(cfg / 'pi05.yaml'), '--params-file',
+           str(robot_file), '--params-file', str(extra)]
+    logs = {n: open(tmp / f'{n}.log', 'w') for n in ('node', 'robot')}
+    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.node', *ros, *node_args],
+                            stdout=logs['node'], stderr=subprocess.STDOUT, env=env, cwd=tmp)
+    if a.setup == 'aloha':
+        robot_cmd = [sys.executable, str(Path(__file__).resolve()), '--role', 'load',
+                     '--params', str(robot_file),
+                     '--cam-hz', str(a.cam_hz), '--joint-hz', str(a.joint_hz), '--size', a.size,
+                     '--camera-qos', a.camera_qos]
+    else:
+        robot_cmd = [sys.executable, '-m', 'oxygen_ros.sim_robot', *ros]
+    # cwd: not the source tree, whose oxygen_ros lacks the generated messages.
+    robot = subprocess.Popen(robot_cmd, stdout=logs['robot'], stderr=subprocess.STDOUT, env=env,
+                             cwd=tmp)
+
+    os.environ.clear()
+    os.environ.update(env)
+    rclpy.init()
+    listener = rclpy.create_node('node_load_checker')
+    checker = Checker(listener, params)
+    ex = SingleThreadedExecutor()
+    ex.add_node(listener)
+    result = {}
+    try:
+        end = time.monotonic() + 180
+        while checker.first is None and time.monotonic() < end and node.poll() is None:
+            ex.spin_once(timeout_sec=0.1)
+        if checker.first is None:
+            log = (tmp / 'node.log').read_text()
+            raise SystemExit(f'no trajectory within 180 s:\n{log[-3000:]}')
+        end = time.monotonic() + a.warmup
+        while time.monotonic() < end:
+            ex.spin_once(timeout_sec=0.05)
+        before = dict(checker.diag)
+        checker.counting = True
+        start = time.monotonic()
+        while time.monotonic() < start + a.seconds:
+            ex.spin_once(timeout_sec=0.05)
+        checker.counting = False
+        span = time.monotonic() - start
+        # The next diagnostics report closes the window.
+        seen = checker.diag
+        end = time.monotonic() + 3
+        while checker.diag is seen and time.monotonic() < end:
+            ex.spin_once(timeout_sec=0.05)
+        after = dict(checker.diag)
+    finally:
+        for p in (node, robot):
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        codes = []
+        for p in (node, robot):
+            try:
+                codes.append(p.wait(20))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append('killed')
+        ex.shutdown(timeout_sec=1)
+        listener.destroy_node()
+        rclpy.try_shutdown()
+        for f in logs.values():
+            f.close()
+
+    def delta(key):
+        try:
+            return int(after[key]) - int(before.get(key, 0))
+        except (KeyError, ValueError):
+            return None
+
+    control = float(after.get('control_publish_hz', 'nan'))
+    period_ms = 1e3 / 70.0
+    result = dict(setup=a.setup, model=a.model, seconds=round(span, 2), topics={},
+                  node_exit=codes[0])
+    print(f'{a.setup} load, model {a.model}, {span:.1f} s after {a.warmup:g} s warm-up, '
+          f'DDS profile {a.dds_profile or "none"} (shared machine: timings are noisy)')
+    for g in checker.topics:
+        s = stats(checker.arrivals[g], span)
+        s['rejected'] = sum(checker.rejected[g].values())
+        s['reasons'] = checker.rejected[g]
+        result['topics'][g] = s
+        print(f'  {g:16s} {s["rate_hz"]:6.1f} Hz  p99 gap {s["gap_ms_p99"]:6.1f} ms '
+              f'({s["gap_ms_p99"] / period_ms:.2f} periods)  max {s["gap_ms_max"]:7.1f} ms  '
+              f'rejected {s["rejected"]}' + (f' {s["reasons"]}' if s['reasons'] else ''))
+    for key in ('hold_ticks', 'skipped_frames', 'frames', 'missed_ticks', 'holds',
+                'dropped_images', 'dropped_joint_states'):
+        result[key] = delta(key)
+    result['control_publish_hz'] = control
+    for key in ('frame_ms_p50', 'frame_ms_p99', 'action_latency_ms_p50', 'action_latency_ms_p99',
+                'chunk_interval_ms_p99', 'chunk_ms'):
+        result[key] = after.get(key)
+    print('  node: ' + ', '.join(f'{k} {result[k]}' for k in (
+        'hold_ticks', 'skipped_frames', 'frames', 'missed_ticks', 'holds')) +
+        f', exit code {codes[0]}')
+    print('  node (last 500 frames): ' + ', '.join(f'{k} {result[k]}' for k in (
+        'frame_ms_p50', 'frame_ms_p99', 'action_latency_ms_p50', 'action_latency_ms_p99',
+        'chunk_interval_ms_p99', 'chunk_ms')))
+    print(f'  logs: {tmp}')
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == '__main__':
+    main()
