@@ -73,8 +73,8 @@ def test_launch_description_declares_the_arguments():
     spec.loader.exec_module(mod)
     ld = mod.generate_launch_description()
     declared = {a.name for a in ld.get_launch_arguments()}
-    assert declared == {'robot', 'params_file', 'checkpoint', 'device', 'namespace',
-                        'use_sim_time', 'log_level', 'sim'}
+    assert declared == {'robot', 'params_file', 'checkpoint', 'device', 'autostart',
+                        'namespace', 'use_sim_time', 'log_level', 'sim'}
 
 
 def listen(domain, topic_traj, topic_text, seconds):
@@ -189,7 +189,8 @@ def children(pid):
 @pytest.mark.skipif(shutil.which('ros2') is None, reason=NO_ROS2)
 def test_readme_ros2_run_with_a_remap(tmp_path):
     """The README's `ros2 run` line for an ALOHA whose RealSense driver uses the older topic
-    names, with the random-weight small model on the CPU instead of a checkpoint on CUDA."""
+    names, with the random-weight small model on the CPU instead of a checkpoint on CUDA
+    (random weights on a robot profile must be allowed explicitly)."""
     installed()
     domain = str(random.randint(120, 220))
     env = env_for(domain)
@@ -200,7 +201,8 @@ def test_readme_ros2_run_with_a_remap(tmp_path):
     proc = subprocess.Popen(
         ['ros2', 'run', 'oxygen_ros', 'oxygen_node', '--ros-args',
          '--params-file', f'{cfg}/pi05.yaml', '--params-file', f'{cfg}/aloha.yaml',
-         '-p', 'model:=small', '-p', 'device:=cpu',
+         '-p', 'model:=small', '-p', 'device:=cpu', '-p', 'autostart:=true',
+         '-p', 'allow_random_weights:=true',
          '-r', 'cam_high/camera/color/image_rect_raw:=/cam_high/color/image_rect_raw'],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     os.environ['ROS_DOMAIN_ID'] = domain
