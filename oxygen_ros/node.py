@@ -565,7 +565,7 @@ class OxygenNode(LifecycleNode):
             self._stop_commanding('model failure: NaN/inf actions')
             return
         # A profile whose targets are relative to where the robot is (DROID's velocities)
-        # re-anchors the chunk on the latest measured state at every tick. Its
+        # re-anchors the chunk on the state measured as each action step starts. Its
         # reanchor(actions, measured, first) returns None when its options make targets
         # absolute, so one call on the frame's own state tells.
         anchor = getattr(profile, 'reanchor', None)
