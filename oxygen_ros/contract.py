@@ -49,7 +49,8 @@ class Param:
         if self.high is not None:
             parts.append(f'<= {self.high:g}')
         if self.choices:
-            parts.append('one of ' + ', '.join(map(str, self.choices)))
+            parts.append('one of ' + ', '.join(repr(c) if c == '' else str(c)
+                                               for c in self.choices))
         return ' and '.join(parts)
 
 
