@@ -277,8 +277,8 @@ class OxygenNode(LifecycleNode):
         cfg.check_engine(e.slots, e.action_dim, e.state_dim, e.conventions == 'lerobot')
         self._setup_ros()
         if cfg.random_weights:
-            weights = (f'RANDOM weights (seed {cfg.p["seed"]}, no checkpoint): not a trained '
-                       'policy')
+            weights = (f'model {cfg.p["model"] or "small"} with RANDOM weights (seed '
+                       f'{cfg.p["seed"]}, no checkpoint): not a trained policy')
         else:
             w = e.weights
             weights = (f'{w["layout"]} checkpoint {cfg.p["checkpoint"]} ({e.conventions} '
