@@ -49,7 +49,8 @@ class Param:
         if self.high is not None:
             parts.append(f'<= {self.high:g}')
         if self.choices:
-            parts.append('one of ' + ', '.join(map(str, self.choices)))
+            parts.append('one of ' + ', '.join(repr(c) if c == '' else str(c)
+                                               for c in self.choices))
         return ' and '.join(parts)
 
 
@@ -69,13 +70,23 @@ PARAMS = (
           'rejected', low=0.0),
     Param('publish_predicted', False, '~/predicted_trajectory: the whole chunk of each frame'),
     # model and engine
-    Param('model', 'small', "model config: 'tiny', 'small', 'pi05' or a YAML path"),
-    Param('checkpoint', '', "checkpoint directory or safetensors file; '' = random weights"),
+    Param('model', '', "model config ('tiny', 'small', 'pi05' or a YAML path); with a "
+          "checkpoint it sets the transformer dims, checked against the tensors; '' = the "
+          "checkpoint's config.json ('small' for random weights)"),
+    Param('checkpoint', '', "LeRobot pi05 or openpi directory, or a safetensors file; '' = "
+          "random weights"),
+    Param('normalize', True, "false: run a checkpoint without normalisation stats on purpose "
+          "(otherwise missing stats are a start-up error)"),
+    Param('conventions', '', "image, normalisation and step-time conventions: 'openpi' or "
+          "'lerobot'; '' = what the checkpoint directory is",
+          choices=('', 'openpi', 'lerobot')),
+    Param('asset_id', '', "openpi: which assets/<asset_id>/norm_stats.json; '' = the only one"),
     Param('tokenizer', '', "SentencePiece model; '' = the built-in tokenizer"),
     Param('device', 'cpu', "'cpu' or 'cuda'"),
     Param('threads', 1, 'torch threads; keep below the core count so control keeps time',
           low=0),
-    Param('denoise_steps', 10, 'flow-matching steps per action chunk', low=1),
+    Param('denoise_steps', 0, "flow-matching steps per action chunk; 0 = the checkpoint's "
+          "(LeRobot's num_inference_steps), else 10", low=0),
     Param('decode_k', 5, 'narration decode steps per frame; 0 = fit the frame budget', low=0,
           live=True),
     Param('frame_budget_ms', 0.0, 'time per frame (narration decoding fills what the actions '
@@ -96,6 +107,11 @@ PARAMS = (
     Param('prompt_format', 'pi05', "'pi05' (task + state) or 'subtask'",
           choices=('pi05', 'subtask')),
     Param('compile', False, 'torch.compile the decode and denoise steps (for CUDA; slow start)'),
+    Param('rtc', False, 'real-time chunking: each chunk is sampled to continue the one being '
+          'executed, so chunk switches do not jump'),
+    Param('rtc_beta', 5.0, 'real-time chunking: largest guidance weight', low=0.0),
+    Param('rtc_delay', 0, 'real-time chunking: actions executed before a new chunk is out; '
+          '0 = measured (the slowest of the last frames, rounded up)', low=0),
     # robot
     Param('robot', 'identity', 'robot profile', choices=('identity', 'aloha', 'droid')),
     Param('profile_options', '', 'YAML mapping of profile options, e.g. "{delta: true}"'),
@@ -137,9 +153,10 @@ GROUP_PARAMS = (
 
 BY_NAME = {p.name: p for p in PARAMS}
 
-ENGINE_KEYS = ('model', 'checkpoint', 'tokenizer', 'device', 'threads', 'denoise_steps',
-               'decode_k', 'frame_budget_ms', 'max_requests', 'max_new_tokens', 'admission',
-               'temperature', 'seed', 'prompt_format', 'compile', 'max_question_tokens')
+ENGINE_KEYS = ('model', 'checkpoint', 'normalize', 'conventions', 'asset_id', 'tokenizer',
+               'device', 'threads', 'denoise_steps', 'decode_k', 'frame_budget_ms',
+               'max_requests', 'max_new_tokens', 'admission', 'temperature', 'seed',
+               'prompt_format', 'compile', 'rtc', 'rtc_beta', 'max_question_tokens')
 
 
 def coerce(name: str, value, p: Param):
@@ -263,13 +280,24 @@ class Config:
         d['control_rate_hz'] = 2.0 / self.action_period
         return d
 
-    def check_engine(self, slots, action_dim: int) -> None:
+    def check_engine(self, slots, action_dim: int, state_dim: int | None = None,
+                     exact_state: bool = False) -> None:
+        """The robot file against what the model (its checkpoint) states: camera slots by
+        name, the action dims, and the state dims (exactly, for LeRobot checkpoints)."""
+        model = self.p['checkpoint'] or f'model {self.p["model"] or "small"!r}'
         unknown = sorted(set(self.slots.values()) - set(slots))
         if unknown:
-            raise StartError(f'camera_slots {unknown} are not model slots {list(slots)}')
-        if self.profile.action_dim > action_dim or self.profile.state_dim > action_dim:
-            raise StartError(f'the {self.p["robot"]} profile needs {self.profile.action_dim}-d '
-                             f'actions but model {self.p["model"]!r} has {action_dim}')
+            raise StartError(f'camera_slots {unknown} are not slots of {model}: '
+                             f'{list(slots)}')
+        robot, prof = self.p['robot'], self.profile
+        if prof.action_dim > action_dim:
+            raise StartError(f'the {robot} profile needs {prof.action_dim}-d actions but '
+                             f'{model} has {action_dim}')
+        if state_dim is not None and (prof.state_dim > state_dim
+                                      or (exact_state and prof.state_dim != state_dim)):
+            need = 'exactly' if exact_state else 'at most'
+            raise StartError(f'the {robot} profile gives a {prof.state_dim}-d state but '
+                             f'{model} takes {need} {state_dim}')
 
     def check_live(self, name: str, value) -> object:
         """The value a running node may take for `name`, or StartError saying why not."""

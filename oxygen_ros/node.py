@@ -277,15 +277,23 @@ class OxygenNode(LifecycleNode):
             raise StartError(f'cannot start the engine: {e}') from None
         except Exception as e:  # e.g. a corrupt safetensors file raises its own error type
             raise StartError(f'cannot start the engine: {type(e).__name__}: {e}') from None
-        cfg.check_engine(self.engine.slots, self.engine.action_dim)
+        e = self.engine
+        cfg.check_engine(e.slots, e.action_dim, e.state_dim, e.conventions == 'lerobot')
         self._setup_ros()
         if cfg.random_weights:
-            weights = (f'RANDOM weights (seed {cfg.p["seed"]}, no checkpoint): not a trained '
-                       'policy')
+            weights = (f'model {cfg.p["model"] or "small"} with RANDOM weights (seed '
+                       f'{cfg.p["seed"]}, no checkpoint): not a trained policy')
         else:
-            weights = f'weights from {cfg.p["checkpoint"]}'
-        self.log.info(f'configured: model {cfg.p["model"]} with {weights}; {cfg.p["robot"]} '
-                      f'robot; activate to command it')
+            w = e.weights
+            weights = (f'{w["layout"]} checkpoint {cfg.p["checkpoint"]} ({e.conventions} '
+                       f'conventions, normalisation {w["normalization"] or "off"})')
+        self.log.info(f'configured: {weights}; chunks of {e.action_horizon} x {e.action_dim} '
+                      f'in {e.denoise_steps} steps; cameras -> slots {cfg.slots}; '
+                      f'{cfg.p["robot"]} robot; activate to command it')
+        if e.n_action_steps < e.action_horizon and not cfg.p['play_steps']:
+            self.log.info(f'the checkpoint plays {e.n_action_steps} of its {e.action_horizon} '
+                          f'actions per chunk (n_action_steps); play_steps: '
+                          f'{e.n_action_steps} does the same here')
 
     def _cleanup(self):
         self._halt('cleanup')
@@ -521,9 +529,11 @@ class OxygenNode(LifecycleNode):
             # A stamp within max_future_stamp ahead must not shift the chunk into the future.
             stamp = min(frame.stamp, now)
             try:
+                handover = self._handover(stamp, state) if self.cfg.p['rtc'] else None
                 result = self.engine.step(
                     obs, narrate=narrate, max_new_tokens=self.cfg.p['max_new_tokens'],
-                    on_actions=lambda a, t=stamp, s=state: self._on_actions(t, s, a))
+                    on_actions=lambda a, t=stamp, s=state: self._on_actions(t, s, a),
+                    handover=handover)
             except Exception as e:  # one bad frame must not end the node
                 if self._stopping():
                     break
@@ -545,6 +555,27 @@ class OxygenNode(LifecycleNode):
                 if self._stopping():
                     break
                 self.reporter.report(problem_key('publish', str(e)), f'narration not sent: {e}')
+
+    def _handover(self, stamp: float, state: np.ndarray):
+        """Where this frame's chunk joins the chunk being played (real-time chunking): its
+        first action is action `start` of that chunk, and `delay` actions will have run by
+        the time it is out (the slowest of the last frames, unless rtc_delay says)."""
+        from oxygen_ros.engine import Handover
+
+        chunk = self.player.chunk
+        if chunk is None or chunk.actions is None:
+            return None
+        start = int(round((stamp - chunk.stamp) / chunk.period))
+        if start < 0:
+            return None
+        delay = self.cfg.p['rtc_delay']
+        if not delay:
+            recent = list(self._latency)[-10:]
+            delay = math.ceil(max(recent) / chunk.period) if recent else 0
+        self._stats['rtc_delay'] = delay
+        # The same motion in this frame's terms (delta actions are relative to the state).
+        previous = self.cfg.profile.rebase(chunk.actions, chunk.state, state)
+        return Handover(start, delay, previous)
 
     def _observation(self, frame):
         from oxygen_ros.engine import Observation
@@ -580,7 +611,7 @@ class OxygenNode(LifecycleNode):
             self._stop_commanding('model failure: NaN/inf actions')
             return
         # A profile whose targets are relative to where the robot is (DROID's velocities)
-        # re-anchors the chunk on the latest measured state at every tick. Its
+        # re-anchors the chunk on the state measured as each action step starts. Its
         # reanchor(actions, measured, first) returns None when its options make targets
         # absolute, so one call on the frame's own state tells.
         anchor = getattr(profile, 'reanchor', None)
@@ -733,7 +764,7 @@ class OxygenNode(LifecycleNode):
 
     def _reset_stats(self):
         self._stats = dict(chunks=0, frames=0, published=0, hold_ticks=0, missed_ticks=0,
-                           narration_requests=0, holds=0)
+                           narration_requests=0, holds=0, rtc_delay=0)
         self._hold_reason = ''
         self._ticks = collections.deque(maxlen=2000)  # tick times
         self._gaps = collections.deque(maxlen=2000)

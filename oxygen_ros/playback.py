@@ -80,6 +80,8 @@ class Player:
         self.hold_after = hold_after
         self._chunk: Chunk | None = None
         self._hold: str | None = None  # a hold still to be published, and why
+        # (chunk, first action, targets, velocities) of the last re-anchoring.
+        self._anchor: tuple | None = None
         self._lock = threading.Lock()
 
     @property
@@ -135,17 +137,28 @@ class Player:
             # The next action lies beyond the horizon (a horizon under one action period):
             # nothing may be sent yet.
             return None
-        state = measured() if chunk.reanchor is not None and measured is not None else None
-        if state is not None:
-            positions = np.asarray(chunk.reanchor(first, state), dtype=np.float64)
-            expected = (len(chunk.positions) - first, chunk.positions.shape[1])
-            if positions.shape != expected:
-                raise ValueError(f'reanchor returned {positions.shape}, expected {expected}')
-            vel = velocities(positions, chunk.period)
-        else:
-            positions = chunk.positions[first:]
-            vel = chunk.velocities[first:]
+        positions, vel = chunk.positions[first:], chunk.velocities[first:]
+        if chunk.reanchor is not None and measured is not None:
+            positions, vel = self._anchored(chunk, first, measured, positions, vel)
         vel = vel[:n].copy()
         # The last published point must be at rest, as the controller requires.
         vel[-1] = 0.0
         return Command(times[:n], positions[:n], vel)
+
+    def _anchored(self, chunk, first, measured, positions, vel):
+        """Targets re-anchored on the state measured when action `first` became the next
+        one, kept until the next action: DROID's controller reads the joints once per step,
+        and anchoring every tick would keep the target a step ahead of wherever the arm is
+        (it would chase it instead of following the chunk)."""
+        a = self._anchor
+        if a is not None and a[0] is chunk and a[1] == first:
+            return a[2], a[3]
+        state = measured()
+        if state is None:
+            return positions, vel  # nothing measured yet: the frame's own targets
+        p = np.asarray(chunk.reanchor(first, state), dtype=np.float64)
+        expected = (len(chunk.positions) - first, chunk.positions.shape[1])
+        if p.shape != expected:
+            raise ValueError(f'reanchor returned {p.shape}, expected {expected}')
+        self._anchor = (chunk, first, p, velocities(p, chunk.period))
+        return self._anchor[2], self._anchor[3]

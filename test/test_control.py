@@ -81,6 +81,37 @@ def test_every_parameter_has_a_description_and_a_valid_default():
         coerce(p.name, p.default, p)
 
 
+def test_docs_list_every_parameter_with_its_default():
+    # docs/robots.md is where users look a parameter up: a new one must be listed there.
+    import pathlib
+    import re
+
+    docs = (pathlib.Path(__file__).parents[1] / 'docs' / 'robots.md').read_text()
+    rows = dict(re.findall(r'^\| `([a-z_<>.]+)` \| `([^`]*)` \|', docs, re.M))
+    for p in PARAMS:
+        assert p.name in rows, f'{p.name} is not in the parameter table of docs/robots.md'
+        if isinstance(p.default, bool):
+            shown = 'true' if p.default else 'false'
+        else:
+            shown = '[]' if p.default is None else repr(p.default)
+        assert rows[p.name] == shown, (p.name, rows[p.name], shown)
+
+
+def test_robot_file_against_what_the_checkpoint_states():
+    cfg = Config.from_values(DROID)
+    slots = ('base_0_rgb', 'left_wrist_0_rgb', 'right_wrist_0_rgb')
+    cfg.check_engine(slots, 8, None)  # random weights: no state dims stated
+    cfg.check_engine(slots, 32, 32)  # openpi: a state of at most 32
+    with pytest.raises(StartError, match=r"camera_slots \['left_wrist_0_rgb'\] are not slots"):
+        cfg.check_engine(('base_0_rgb', 'wrist'), 8)
+    with pytest.raises(StartError, match='droid profile needs 8-d actions but .* has 7'):
+        cfg.check_engine(slots, 7)
+    with pytest.raises(StartError, match='8-d state but .* takes at most 6'):
+        cfg.check_engine(slots, 8, 6)
+    with pytest.raises(StartError, match='8-d state but .* takes exactly 9'):
+        cfg.check_engine(slots, 8, 9, exact_state=True)
+
+
 def test_command_line_rules_for_this_node_only():
     argv = ['oxygen_node', '--ros-args', '--params-file', 'a.yaml', '-p', 'control_rate_hz:=fast',
             '-p', 'other_node:seed:=3', '-p', 'oxygen_node:threads:=2', '--param', 'cameras:=[a]',

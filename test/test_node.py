@@ -460,7 +460,8 @@ def test_corrupt_checkpoint_exits_with_a_clear_error(tmp_path, domain):
 @pytest.mark.parametrize('extra, message', [
     (['-p', 'control_rate_hz:=-5.0'], 'control_rate_hz must be > 0'),
     (['-p', 'camera_slots:=[base_0_rgb]'], 'must have equal lengths'),
-    (['-p', 'camera_slots:=[base_0_rgb, top_rgb]'], "camera_slots ['top_rgb'] are not model"),
+    (['-p', 'camera_slots:=[base_0_rgb, top_rgb]'],
+     "camera_slots ['top_rgb'] are not slots of model 'tiny'"),
     (['-p', 'robot:=identity', '-p', 'profile_options:="{dim: 14}"'],
      '8 joints listed but the identity profile takes a 14-d state'),
     (['-p', 'image_qos:=fast'], 'image_qos must be one of'),

@@ -118,7 +118,18 @@ def test_reanchor_on_the_measured_state():
     np.testing.assert_allclose(cmd.positions, [[11.6, 19.0], [11.8, 19.0]])
     # Slope (11.8 - 11.6) / 0.1 = 2/s, and the end at rest.
     np.testing.assert_allclose(cmd.velocities, [[2.0, 0.0], [0.0, 0.0]])
+    # Within the same step the targets stay anchored where the step began, however the
+    # arm moves meanwhile (DROID reads the joints once per step).
+    q = np.array([12.0, 18.0])
+    cmd = p.tick(0.18, measured=lambda: q, hold_at=hold_at)
+    assert len(seen) == 1
+    np.testing.assert_allclose(cmd.positions, [[11.6, 19.0], [11.8, 19.0]])
+    # The next step anchors again, on the state measured then.
+    cmd = p.tick(0.21, measured=lambda: q, hold_at=hold_at)
+    assert seen[-1][0] == 3 and seen[-1][1].tolist() == [12.0, 18.0]
+    np.testing.assert_allclose(cmd.positions, [[12.8, 18.0]])
     # Without a measured state the frame's own positions are used.
+    p.play(make_chunk(0.0, 0.1, q0 + 0.2 * v, actions=v, state=q0, reanchor=reanchor))
     cmd = p.tick(0.15, measured=lambda: None, hold_at=hold_at)
     np.testing.assert_allclose(cmd.positions[:, 0], [10.6, 10.8])
 

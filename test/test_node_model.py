@@ -1,0 +1,127 @@
+"""oxygen_node and what the model states: a LeRobot policy directory's cameras, dims and
+horizon against the robot file, and real-time chunking seen on ~/predicted_trajectory."""
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip('rclpy')
+pytest.importorskip('oxygen_ros.msg', reason='oxygen_ros.msg exists only in a colcon build '
+                    '(make test)')
+
+from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
+from test_lerobot_policy import CHUNK, STATE_DIM, weights, write_policy  # noqa: E402, F401
+from test_node import (  # noqa: E402
+    PARAMS,
+    Robot,
+    node_env,
+    node_process,
+    run_node,
+    wait_for,
+    write_params,
+)
+from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+
+# A robot that fits the policy of test_lerobot_policy: cameras named as its features, a
+# 4-d state read from four joints, 4 of its 5 action dims commanded.
+def identity(n, slots='[front, wrist]'):
+    joints = ', '.join(f'fr3_joint{i}' for i in range(1, n + 1))
+    return ['-p', 'robot:=identity', '-p', 'profile_options:=""',
+            '-p', f'camera_slots:={slots}', '-p', f'joints:=[{joints}]',
+            '-p', 'output_groups:=[arm]', '-p', f'outputs.arm.indices:={list(range(n))}',
+            '-p', f'outputs.arm.joints:=[{joints}]']
+
+
+@pytest.fixture(scope='module')
+def policy(weights, tmp_path_factory):  # noqa: F811
+    return write_policy(tmp_path_factory.mktemp('policy') / 'pi05_policy', weights)
+
+
+@pytest.fixture(scope='module')
+def domain():
+    import random
+    return str(random.randint(111, 119))
+
+
+def test_node_takes_the_checkpoints_cameras_dims_and_horizon(policy, tmp_path, domain):
+    params = write_params(tmp_path / 'params.yaml', PARAMS)
+    log = open(tmp_path / 'node.log', 'w')
+    proc = subprocess.Popen(
+        [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file', params,
+         '-p', f'checkpoint:={policy}', *identity(STATE_DIM)], stdout=log, stderr=subprocess.STDOUT,
+        env=node_env(domain))
+    try:
+        assert wait_for(lambda: 'configured:' in (tmp_path / 'node.log').read_text()
+                        or proc.poll() is not None, 90)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(30)
+        log.close()
+    text = (tmp_path / 'node.log').read_text()
+    assert code == 0, text
+    line = re.search(r'configured: .*', text).group(0)
+    assert f'lerobot checkpoint {policy}' in line
+    assert f'chunks of {CHUNK} x 5 in 7 steps' in line  # chunk_size, action dim, steps
+    assert "{'front': 'front', 'wrist': 'wrist'}" in line
+    assert 'plays 3 of its 6 actions per chunk' in text  # n_action_steps
+
+
+@pytest.mark.parametrize('extra, message', [
+    # The model config's slot names are not the policy's cameras.
+    (identity(STATE_DIM, '[base_0_rgb, left_wrist_0_rgb]'),
+     r"camera_slots \['base_0_rgb', 'left_wrist_0_rgb'\] are not slots of .*: "
+     r"\['front', 'wrist'\]"),
+    # DROID's 8-d actions from a policy with 5.
+    (['-p', 'camera_slots:=[front, wrist]'], 'droid profile needs 8-d actions but .* has 5'),
+    # A 3-d state for a policy trained on 4 (LeRobot states must match exactly).
+    (identity(3), f'3-d state but .* takes exactly {STATE_DIM}'),
+])
+def test_a_robot_file_that_disagrees_with_the_checkpoint_is_a_start_error(
+        policy, tmp_path, domain, extra, message):
+    out = run_node(tmp_path, domain, ['-p', f'checkpoint:={policy}', *extra])
+    assert out.returncode == 1, out.stderr
+    assert re.search(message, out.stderr), out.stderr
+    assert 'Traceback' not in out.stderr + out.stdout
+
+
+class Watcher(Robot):
+    def __init__(self, node):
+        super().__init__(node)
+        self.leave_out = set()
+        self.predicted = []
+        reliable = QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE)
+        node.create_subscription(JointTrajectory, '/oxygen_node/predicted_trajectory',
+                                 self.predicted.append, reliable)
+
+
+def chunk_of(msg):
+    stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+    return stamp, np.array([p.positions for p in msg.points])
+
+
+def test_real_time_chunking_continues_the_chunk_being_played(tmp_path, domain):
+    # Identity profile: the published targets are the engine's actions, so each new chunk's
+    # first rtc_delay actions must be, exactly, the actions of the chunk it replaced at
+    # the same times.
+    delay, period = 1, 0.1
+    params = dict(PARAMS, robot='identity', profile_options='', rtc=True, rtc_delay=delay,
+                  publish_predicted=True, narration_every_n_frames=0)
+    with node_process(tmp_path, params, domain, 'rtc_watcher', Watcher,
+                      '-r', 'front/image:=/remapped/front') as (proc, w):
+        assert wait_for(lambda: len(w.predicted) >= 12 or proc.poll() is not None, 90), w.log()
+        time.sleep(0.2)
+        chunks = [chunk_of(m) for m in list(w.predicted)]
+    pairs = 0
+    for (t0, old), (t1, new) in zip(chunks, chunks[1:]):
+        start = round((t1 - t0) / period)
+        if start + delay > len(old):
+            continue  # the previous chunk had run out: nothing to join
+        np.testing.assert_allclose(new[:delay], old[start:start + delay], atol=1e-5,
+                                   err_msg=f'chunk at {t1:.3f} after {t0:.3f}')
+        pairs += 1
+    assert pairs >= 8, (pairs, len(chunks))
