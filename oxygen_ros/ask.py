@@ -10,6 +10,7 @@ request; the node's engine thread hands every frame's question events to ``Asks.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class Asks:
         # Answers already ended; events of theirs still on their way are expected, not lost.
         self._closed: dict[int, None] = {}
         self._remember = remember
+        self._ended = collections.Counter()  # results given, by reason
 
     def activate(self, engine) -> None:
         with self._lock:
@@ -115,6 +117,7 @@ class Asks:
             for a in answers:
                 self._close(a.request_id)
                 a._end('cancelled', why, a.last.stamp)
+            self._ended['cancelled'] += len(answers)
         self.wake()
         if engine is not None:
             for a in answers:
@@ -125,17 +128,28 @@ class Asks:
         with self._lock:
             return len(self._open)
 
+    def stats(self) -> dict:
+        """For diagnostics: goals open now, and how many ended which way since the start."""
+        with self._lock:
+            n = self._ended
+            return dict(questions_open=len(self._open),
+                        questions_answered=n['done'] + n['budget'],
+                        questions_rejected=n['rejected'], questions_cancelled=n['cancelled'],
+                        questions_dropped=n['dropped'])
+
     def open(self, goal: Goal) -> Answer:
         """Start answering ``goal``; a goal that cannot be asked gets its result at once."""
         with self._lock:
             # Registered before the engine's next frame can start it, so no event of it
             # can arrive unclaimed.
             if self._engine is None:
+                self._ended['rejected'] += 1
                 return _refused(f'the node is not active: {self._why}')
             try:
                 rid = self._engine.ask(goal.question, int(goal.max_new_tokens),
                                        goal.prompt_format)
             except ValueError as e:
+                self._ended['rejected'] += 1
                 return _refused(str(e))
             answer = Answer(self, rid)
             self._open[rid] = answer
@@ -170,6 +184,7 @@ class Asks:
                                          e.tokens))
                     continue
                 self._close(e.request_id)
+                self._ended[e.reason] += 1
                 if e.cancelled:
                     answer._end(e.reason, e.message, e.stamp)
                 else:

@@ -37,6 +37,7 @@ class AskServer:
 
     def __init__(self, node, asks, name: str = '~/ask'):
         self.asks = asks
+        self._node = node
         self._wake = node.create_guard_condition(_nothing)
         asks.wake = self._wake.trigger
         self.server = ActionServer(node, Ask, name, execute_callback=self._execute,
@@ -46,6 +47,8 @@ class AskServer:
     def destroy(self) -> None:
         self.asks.wake = _nothing
         self.server.destroy()
+        # A node configured again makes a new server: this one's guard condition goes too.
+        self._node.destroy_guard_condition(self._wake)
 
     async def _execute(self, handle):
         g = handle.request

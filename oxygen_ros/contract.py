@@ -92,9 +92,13 @@ PARAMS = (
     Param('frame_budget_ms', 0.0, 'time per frame (narration decoding fills what the actions '
           'leave); 0 = half the chunk duration, so the next chunk is ready while this one '
           'still plays', low=0.0),
-    Param('max_requests', 8, 'narration requests decoded at once (KV cache slots)', low=1),
+    Param('max_requests', 8, 'language requests (narration and ~/ask questions) decoded at '
+          'once (KV cache rows)', low=1),
     Param('max_new_tokens', 30, 'tokens per narration request; live changes may only lower '
           'it below the value the KV cache was sized for at configure', low=1, live=True),
+    Param('max_question_tokens', 48, "KV columns each row keeps for a ~/ask question's own "
+          'tokens (the built-in tokenizer takes 23 for "is the cup in the gripper?" with its '
+          'Question/Answer format); 0 = no questions', low=0),
     Param('admission', 'drop_oldest', 'when all slots are busy',
           choices=('drop_oldest', 'reject_newest', 'wait')),
     Param('temperature', 0.0, 'narration sampling temperature; 0 = greedy', low=0.0,
@@ -152,7 +156,7 @@ BY_NAME = {p.name: p for p in PARAMS}
 ENGINE_KEYS = ('model', 'checkpoint', 'normalize', 'conventions', 'asset_id', 'tokenizer',
                'device', 'threads', 'denoise_steps', 'decode_k', 'frame_budget_ms',
                'max_requests', 'max_new_tokens', 'admission', 'temperature', 'seed',
-               'prompt_format', 'compile', 'rtc', 'rtc_beta')
+               'prompt_format', 'compile', 'rtc', 'rtc_beta', 'max_question_tokens')
 
 
 def coerce(name: str, value, p: Param):

@@ -18,8 +18,9 @@ Threads, and why:
   absolute deadlines instead of being an executor timer: on two cores a Python executor
   next to the model delayed timer callbacks by tens of ms (measured). Under use_sim_time
   control is a timer on the node's clock instead, so it follows /clock;
-- the executor runs the lifecycle and parameter services, ~/prompt, ~/narrate and the
-  diagnostics timer.
+- the executor runs the lifecycle and parameter services, ~/prompt, ~/narrate, ~/ask (its
+  goals are coroutines that never block it; ask.py holds the logic) and the diagnostics
+  timer.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from rcl_interfaces.msg import (
 from rclpy.callback_groups import CallbackGroup
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 
+from oxygen_ros.ask import Asks
 from oxygen_ros.contract import (
     BY_NAME,
     GROUP_PARAMS,
@@ -117,6 +119,7 @@ class OxygenNode(LifecycleNode):
         self.engine = None
         self.player = None
         self._timer = None  # control under use_sim_time
+        self.asks = Asks()  # ~/ask goals; the engine takes them only while active
         self.start_error = StartError('a lifecycle transition failed; see the log above')
         self.cfg = self._read_params(argv)
         self.add_on_set_parameters_callback(self._on_set_parameters)
@@ -229,6 +232,7 @@ class OxygenNode(LifecycleNode):
         with self._lock:
             self._active = True
         self._start_threads()
+        self.asks.activate(self.engine)
         self.log.info('active: commanding ' + ', '.join(
             self.resolve_topic_name(g.topic) for g in cfg.groups))
         return SUCCESS
@@ -318,6 +322,9 @@ class OxygenNode(LifecycleNode):
             if t.is_alive():
                 self.log.error(f'{t.name} thread still busy after 10 s; leaving it')
         self._threads = []
+        if was_active:
+            # No frame runs now: open goals end with the reason and their rows are free.
+            self.asks.deactivate(why)
 
     def _stop_commanding(self, why: str):
         self.player.stop(why)  # the next tick publishes the hold and says why
@@ -338,6 +345,7 @@ class OxygenNode(LifecycleNode):
         from std_msgs.msg import Empty, String
         from trajectory_msgs.msg import JointTrajectory
 
+        from oxygen_ros.ask_server import AskServer
         from oxygen_ros.msg import Narration
 
         cfg = self.cfg
@@ -367,6 +375,8 @@ class OxygenNode(LifecycleNode):
         self._ros += [*self.traj_pubs.values(), self.narration_pub, self.text_pub,
                       self.diag_pub, *([self.predicted_pub] if self.predicted_pub else []),
                       self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'], self._diagnose)]
+        self.asks.deactivate('configured, not yet activated')
+        self._ros.append(AskServer(self, self.asks))
         self._msgs = dict(JointTrajectory=JointTrajectory, Narration=Narration, String=String,
                           DiagnosticArray=DiagnosticArray)
         self.log.info(
@@ -534,6 +544,11 @@ class OxygenNode(LifecycleNode):
             self._stats['narration_requests'] += int(narrate)
             if result.rejected:
                 self.reporter.report('narration:rejected', result.rejected)
+            unowned = self.asks.deliver(result.events)
+            if unowned:
+                self.reporter.report('ask:unowned', 'question events of requests '
+                                     f'{sorted({e.request_id for e in unowned})} that no goal '
+                                     'holds: not delivered')
             try:
                 self._publish_events(result.events)
             except Exception as e:  # publishing fails once ROS is shutting down
@@ -632,6 +647,8 @@ class OxygenNode(LifecycleNode):
     def _publish_events(self, events):
         Narration, String = self._msgs['Narration'], self._msgs['String']
         for e in events:
+            if e.kind != 'narration':
+                continue  # questions are answered through ~/ask
             m = Narration()
             m.header.stamp.sec = int(e.stamp)
             m.header.stamp.nanosec = int(round((e.stamp - int(e.stamp)) * 1e9)) % 1_000_000_000
@@ -641,7 +658,7 @@ class OxygenNode(LifecycleNode):
             if e.done:
                 if e.cancelled:
                     self.reporter.report('narration:dropped', f'narration request '
-                                         f'{e.request_id} dropped to free a KV slot')
+                                         f'{e.request_id}: {e.message}')
                 else:
                     self.text_pub.publish(String(data=e.text))
 
@@ -774,6 +791,7 @@ class OxygenNode(LifecycleNode):
         s['chunk_interval_ms_p99'] = float(np.percentile(apart, 99) * 1e3)
         s['chunk_ms'] = 1e3 * self.cfg.action_period * self.engine.action_horizon
         s.update(self._stats)
+        s.update(self.asks.stats())
         r = self.reporter
         s['dropped_images'] = r.count('image:')
         s['dropped_joint_states'] = r.count('joints:')

@@ -117,6 +117,8 @@ def test_a_flood_gets_reasons(model, tokenizer):
     for a in answers[2:]:
         assert a.result.message == 'all 2 KV rows are busy (admission reject_newest)'
         assert a.result.request_id == a.request_id and a.result.stamp == 10.0
+    assert asks.stats() == dict(questions_open=0, questions_answered=2, questions_rejected=3,
+                                questions_cancelled=0, questions_dropped=0)
 
 
 def test_queued_under_admission_wait(model, tokenizer):
@@ -156,6 +158,8 @@ def test_deactivate_ends_every_answer_and_refuses_new_goals(model, tokenizer):
     assert a.result.tokens == 1 and waiting.result.reason == 'cancelled'
     assert engine.cache.free_rows == 2 and engine.stats()['questions_waiting'] == 0
     assert drain(asks.open(Goal('third?')))[0].message == 'the node is not active: deactivated'
+    assert asks.stats() == dict(questions_open=0, questions_answered=0, questions_rejected=1,
+                                questions_cancelled=2, questions_dropped=0)
     assert woken
 
 

@@ -405,9 +405,10 @@ def test_diagnostics_count_the_problems(robot):
         assert key in d, key
     assert int(d['frames']) > 0
     # The tiny model's KV store: 2 request rows and a scratch row of 3 * 16 image tokens +
-    # 24 text + 8 generated = 80 columns; keys and values of 2 layers, 1 kv head of 16 fp32,
-    # plus a validity byte per column and two int64 counters per row.
-    per_row = 2 * 2 * 1 * 80 * 16 * 4 + 80 + 8 + 8
+    # 24 text + 48 for a question (max_question_tokens' default) + 8 generated = 128 columns;
+    # keys and values of 2 layers, 1 kv head of 16 fp32, plus a validity byte per column and
+    # two int64 counters per row.
+    per_row = 2 * 2 * 1 * 128 * 16 * 4 + 128 + 8 + 8
     assert int(d['kv_bytes_per_slot']) == per_row
     assert int(d['kv_bytes']) == 3 * per_row
     assert 0 <= int(d['active_requests']) <= PARAMS['max_requests']

@@ -5,6 +5,7 @@
     python tools/node_load.py --setup aloha [--seconds 60]   # ALOHA: 4 cams 640x480 rgb8
                                                              # at 60 Hz, 2 JointStates at 500 Hz
     python tools/node_load.py --setup sim                    # the default sim (sim.yaml)
+    python tools/node_load.py --setup sim --questions 4      # with 4 ~/ask goals in flight
 
 Three processes, as on a robot: the node, the robot side (a load generator publishing
 pre-built messages for `aloha`, oxygen_sim_robot for `sim`) and this one, which only
@@ -12,7 +13,9 @@ listens. Every trajectory on every output topic is checked against the acceptanc
 joint_trajectory_controller (Jazzy); counting starts `--warmup` seconds after the first
 trajectory, so model loading is not held against the rates. Prints, per topic: rate, p99
 and max gap, rejected messages with the reasons; and from the node's /diagnostics over the
-same window: hold ticks, skipped frames, frames, missed ticks.
+same window: hold ticks, skipped frames, frames, missed ticks. With `--questions N` this
+process also keeps N ~/ask goals in flight (each sent again as soon as its result comes) from
+the warm-up on, and counts the results of the window by reason.
 """
 
 from __future__ import annotations
@@ -131,6 +134,39 @@ class Checker:
                 self.diag = {kv.key: kv.value for kv in st.values}
 
 
+class Questions:
+    """Keeps `n` ~/ask goals of the node in flight: each is sent again when it ends."""
+
+    def __init__(self, node, n: int):
+        from rclpy.action import ActionClient
+
+        from oxygen_ros.action import Ask
+
+        self.client = ActionClient(node, Ask, '/oxygen_node/ask')
+        self.goal = Ask.Goal(question='is the cup in the gripper?')
+        self.n = n
+        self.goals = []  # per goal: the send future, then its result future
+        self.counting = False
+        self.reasons = {}
+        self.tokens = 0
+
+    def top_up(self):
+        still = []
+        for g in self.goals:
+            if len(g) == 1 and g[0].done():
+                g.append(g[0].result().get_result_async())
+            if len(g) == 2 and g[1].done():
+                r = g[1].result().result
+                if self.counting:
+                    self.reasons[r.reason] = self.reasons.get(r.reason, 0) + 1
+                    self.tokens += r.tokens
+            else:
+                still.append(g)
+        self.goals = still
+        while len(self.goals) < self.n:
+            self.goals.append([self.client.send_goal_async(self.goal)])
+
+
 # -- the robot side for --setup aloha -------------------------------------------------------
 
 def load(params_file: str, cam_hz: float, joint_hz: float, width: int, height: int,
@@ -212,6 +248,8 @@ def main(argv=None):
     ap.add_argument('--out', help='write the numbers as JSON here')
     ap.add_argument('--node-arg', action='append', default=[],
                     help='extra -p name:=value for the node (repeatable)')
+    ap.add_argument('--questions', type=int, default=0,
+                    help='~/ask goals kept in flight from the warm-up on')
     ap.add_argument('--role', default='', help=argparse.SUPPRESS)
     ap.add_argument('--params', default='', help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -260,6 +298,7 @@ def main(argv=None):
     rclpy.init()
     listener = rclpy.create_node('node_load_checker')
     checker = Checker(listener, params)
+    questions = Questions(listener, a.questions) if a.questions else None
     ex = SingleThreadedExecutor()
     ex.add_node(listener)
     result = {}
@@ -270,15 +309,26 @@ def main(argv=None):
         if checker.first is None:
             log = (tmp / 'node.log').read_text()
             raise SystemExit(f'no trajectory within 180 s:\n{log[-3000:]}')
+        if questions and not questions.client.wait_for_server(timeout_sec=30):
+            raise SystemExit('no ~/ask action server')
+
+        def spin():
+            ex.spin_once(timeout_sec=0.05)
+            if questions:
+                questions.top_up()
         end = time.monotonic() + a.warmup
         while time.monotonic() < end:
-            ex.spin_once(timeout_sec=0.05)
+            spin()
         before = dict(checker.diag)
         checker.counting = True
+        if questions:
+            questions.counting = True
         start = time.monotonic()
         while time.monotonic() < start + a.seconds:
-            ex.spin_once(timeout_sec=0.05)
+            spin()
         checker.counting = False
+        if questions:
+            questions.counting = False
         span = time.monotonic() - start
         # The next diagnostics report closes the window.
         seen = checker.diag
@@ -312,9 +362,10 @@ def main(argv=None):
     control = float(after.get('control_publish_hz', 'nan'))
     period_ms = 1e3 / 70.0
     result = dict(setup=a.setup, model=a.model, seconds=round(span, 2), topics={},
-                  node_exit=codes[0])
+                  node_exit=codes[0], questions=a.questions)
     print(f'{a.setup} load, model {a.model}, {span:.1f} s after {a.warmup:g} s warm-up, '
-          f'DDS profile {a.dds_profile or "none"} (shared machine: timings are noisy)')
+          f'{a.questions} ~/ask goals in flight, DDS profile {a.dds_profile or "none"} '
+          '(shared machine: timings are noisy)')
     for g in checker.topics:
         s = stats(checker.arrivals[g], span)
         s['rejected'] = sum(checker.rejected[g].values())
@@ -336,6 +387,11 @@ def main(argv=None):
     print('  node (last 500 frames): ' + ', '.join(f'{k} {result[k]}' for k in (
         'frame_ms_p50', 'frame_ms_p99', 'action_latency_ms_p50', 'action_latency_ms_p99',
         'chunk_interval_ms_p99', 'chunk_ms')))
+    if questions:
+        result['question_results'] = questions.reasons
+        result['question_tokens'] = questions.tokens
+        print(f'  questions ended in the window: {questions.reasons}, '
+              f'{questions.tokens} tokens')
     print(f'  logs: {tmp}')
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))

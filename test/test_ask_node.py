@@ -1,0 +1,238 @@
+"""~/ask on the real oxygen_node: the installed node runs as its own process on the tiny
+model (a lifecycle node, configured and activated here over its services), this process
+plays the robot and asks over real rclpy action clients; the installed oxygen_ask command
+is run against it too.
+
+The tests run in order on one node process: inactive first, then active, then deactivated.
+"""
+import pathlib
+import random
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+rclpy = pytest.importorskip('rclpy')
+ament = pytest.importorskip('ament_index_python.packages')
+action_mod = pytest.importorskip('oxygen_ros.action', reason='oxygen_ros.action exists only in '
+                                 'a colcon build (make test)')
+
+from action_msgs.msg import GoalStatus  # noqa: E402
+from rclpy.action import ActionClient  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
+from test_lifecycle import User  # noqa: E402
+from test_node import PARAMS, node_env, node_process, wait_for  # noqa: E402
+
+Ask = action_mod.Ask
+ROWS = 2
+BUDGET = 40  # max_new_tokens: at one token per 30 Hz frame, a full answer takes ~1.3 s
+# No narration unless asked for, so the rows are the questions'; one token per frame, so
+# an answer lasts long enough to be cancelled while it streams.
+ASKING = dict(PARAMS, autostart=False, narration_every_n_frames=0, decode_k=1,
+              max_requests=ROWS, max_new_tokens=BUDGET, admission='reject_newest')
+SUCCEEDED, ABORTED, CANCELED = (GoalStatus.STATUS_SUCCEEDED, GoalStatus.STATUS_ABORTED,
+                                GoalStatus.STATUS_CANCELED)
+
+
+class Asker(User):
+    """The robot and lifecycle user of test_lifecycle, plus ~/ask's client and, as a second
+    witness, the action's feedback topic itself."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.client = ActionClient(node, Ask, '/oxygen_node/ask')
+        self.wire = []  # every Ask feedback message on the topic, whoever's goal
+        node.create_subscription(Ask.Impl.FeedbackMessage, '/oxygen_node/ask/_action/feedback',
+                                 lambda m: self.wire.append(m.feedback),
+                                 QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE))
+        self.diag_at = 0.0
+
+    def _on_diag(self, msg):
+        super()._on_diag(msg)
+        self.diag_at = time.monotonic()
+
+    def fresh_diag(self):
+        """A diagnostics report made after this call."""
+        t = time.monotonic()
+        assert wait_for(lambda: self.diag_at > t + 0.05, 5), 'no diagnostics'
+        return dict(self.diag)
+
+    def send(self, *questions, budget=0):
+        """All sent before any is waited for, so they reach the node together."""
+        sent = []
+        for q in questions:
+            feedback = []
+            sent.append((self.client.send_goal_async(
+                Ask.Goal(question=q, max_new_tokens=budget),
+                feedback_callback=lambda m, f=feedback: f.append(m.feedback)), feedback))
+        goals = []
+        for future, feedback in sent:
+            assert wait_for(future.done, 30), 'goal not answered'
+            handle = future.result()
+            assert handle.accepted  # every goal is; a refusal is its result
+            goals.append(Goal(handle, feedback))
+        return goals
+
+
+class Goal:
+    def __init__(self, handle, feedback):
+        self.handle, self.feedback = handle, feedback
+        self.future = handle.get_result_async()
+
+    def result(self, timeout=60):
+        assert wait_for(self.future.done, timeout), 'no result'
+        time.sleep(0.3)  # feedback is a topic, the result a service: let the last piece come
+        r = self.future.result()
+        return r.status, r.result
+
+    def deltas(self):
+        return ''.join(f.delta for f in self.feedback)
+
+
+def stamp_of(t):
+    return t.sec + t.nanosec * 1e-9
+
+
+@pytest.fixture(scope='module')
+def domain():
+    # A domain of its own: other test runs on this machine use the same names.
+    return str(random.randint(1, 230))
+
+
+@pytest.fixture(scope='module')
+def asker(domain, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('ask_node')
+    with node_process(tmp, ASKING, domain, 'asker', Asker,
+                      '-r', 'front/image:=/remapped/front') as (proc, a):
+        a.proc = proc
+        a.leave_out = set()
+        assert wait_for(lambda: 'unconfigured: waiting' in a.log() or proc.poll() is not None,
+                        60), a.log()
+        assert proc.poll() is None, a.log()
+        yield a
+
+
+@pytest.fixture(autouse=True)
+def alive(asker):
+    yield
+    assert asker.proc.poll() is None, asker.log()[-3000:]
+
+
+def test_goal_while_inactive_is_refused_with_the_reason(asker):
+    # Unconfigured: there is no action server at all.
+    assert not asker.client.wait_for_server(timeout_sec=1.0)
+    assert asker.transition('configure') and asker.state() == 'inactive'
+    assert asker.client.wait_for_server(timeout_sec=30)
+    (goal,) = asker.send('is anyone there?')
+    status, r = goal.result()
+    assert status == ABORTED and r.reason == Ask.Result.REJECTED
+    assert r.message == 'the node is not active: configured, not yet activated'
+    assert (r.request_id, r.tokens, r.text) == (0, 0, '')
+    assert asker.transition('activate')
+    assert wait_for(lambda: asker.rate(0.3) > 0.5 * 70, 30), asker.log()[-3000:]
+
+
+def test_feedback_adds_up_to_the_result(asker):
+    (goal,) = asker.send('is the cup in the gripper?', budget=12)
+    status, r = goal.result()
+    assert status == SUCCEEDED, (r.reason, r.message)
+    # Greedy decoding of random weights may meet end-of-sequence before the budget.
+    assert (r.reason, r.tokens) == (Ask.Result.BUDGET, 12) or (
+        r.reason == Ask.Result.DONE and 0 < r.tokens < 12)
+    assert r.message == '' and r.request_id > 0
+    assert goal.deltas() == r.text
+    assert {f.request_id for f in goal.feedback} == {r.request_id}
+    assert goal.feedback[0].state == Ask.Feedback.WAITING
+    streamed = [f for f in goal.feedback if f.state == Ask.Feedback.DECODING]
+    assert [f.tokens for f in streamed] == list(range(1, r.tokens + 1))
+    # The camera frame it answered, in every piece and the result: a frame of this run.
+    assert {(f.stamp.sec, f.stamp.nanosec) for f in streamed} == {(r.stamp.sec, r.stamp.nanosec)}
+    assert abs(time.time() - stamp_of(r.stamp)) < 60
+    # Its tokens are the answer's, not narration.
+    assert r.request_id not in {m.request_id for m in asker.narration}
+
+
+def test_two_concurrent_goals_get_their_own_requests(asker):
+    a, b = asker.send('where is the towel?', 'what is left to do?', budget=6)
+    (sa, ra), (sb, rb) = a.result(), b.result()
+    assert sa == sb == SUCCEEDED
+    assert ra.request_id != rb.request_id
+    assert {f.request_id for f in a.feedback} == {ra.request_id}
+    assert {f.request_id for f in b.feedback} == {rb.request_id}
+    assert a.deltas() == ra.text and b.deltas() == rb.text
+    assert 0 < ra.tokens <= 6 and 0 < rb.tokens <= 6
+
+
+def test_cancel_mid_stream_frees_the_row(asker):
+    a, b = asker.send('first?', 'second?')  # BUDGET tokens each: both rows
+    assert wait_for(lambda: any(f.tokens > 1 for f in a.feedback), 30), asker.log()[-3000:]
+    assert wait_for(a.handle.cancel_goal_async().done, 30)
+    status, ra = a.result()
+    assert status == CANCELED and ra.reason == Ask.Result.CANCELLED
+    assert ra.message == 'cancelled by its caller'
+    assert 1 < ra.tokens < BUDGET and a.deltas() == ra.text
+    # Under reject_newest a third question is refused unless the cancel freed a row: it is
+    # admitted while the second still streams.
+    (c,) = asker.send('third?', budget=3)
+    sc, rc = c.result()
+    assert sc == SUCCEEDED and 0 < rc.tokens <= 3, (rc.reason, rc.message)
+    assert not b.future.done()
+    sb, rb = b.result()
+    assert sb == SUCCEEDED and b.deltas() == rb.text
+
+
+def test_a_flood_gets_reasons_and_is_counted(asker):
+    before = asker.fresh_diag()
+    goals = asker.send(*[f'question {i}?' for i in range(5)], budget=20)
+    results = [g.result() for g in goals]
+    ok = [r for s, r in results if s == SUCCEEDED]
+    refused = [r for s, r in results if s == ABORTED]
+    assert len(ok) == ROWS and len(refused) == 5 - ROWS
+    for r in refused:
+        assert r.reason == Ask.Result.REJECTED and r.request_id > 0
+        assert r.message == f'all {ROWS} KV rows are busy (admission reject_newest)'
+
+    def grew(key):
+        return int(asker.diag[key]) - int(before[key])
+    assert wait_for(lambda: grew('questions_answered') == ROWS, 5), asker.diag
+    d = asker.fresh_diag()
+    assert grew('questions_rejected') == 5 - ROWS and grew('questions_cancelled') == 0
+    assert (d['questions_open'], d['questions_waiting'], d['active_requests']) == ('0', '0', '0')
+
+
+def test_the_oxygen_ask_command_prints_the_answer(asker, domain):
+    exe = pathlib.Path(ament.get_package_prefix('oxygen_ros')) / 'lib' / 'oxygen_ros' / 'oxygen_ask'
+    seen = len(asker.wire)
+    proc = subprocess.run([sys.executable, str(exe), 'is the cup in the gripper?',
+                           '--max-new-tokens', '7'], capture_output=True, text=True,
+                          env=node_env(domain), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    m = re.fullmatch(r'\[request (\d+), frame (\d+)\.(\d{9}), (\d+) tokens, (budget|done)\]\n',
+                     proc.stderr)
+    assert m, proc.stderr
+    rid, tokens = int(m[1]), int(m[4])
+    assert 0 < tokens <= 7 and (m[5] == 'budget') == (tokens == 7)
+    # The answer it printed is what the node streamed for that request on the topic.
+    assert wait_for(lambda: any(f.request_id == rid and f.tokens == tokens
+                                for f in asker.wire[seen:]), 5)
+    pieces = [f for f in asker.wire[seen:] if f.request_id == rid]
+    assert proc.stdout == ''.join(f.delta for f in pieces) + '\n'
+    assert (pieces[-1].stamp.sec, pieces[-1].stamp.nanosec) == (int(m[2]), int(m[3]))
+
+
+def test_deactivate_ends_open_goals_and_refuses_new_ones(asker):
+    (a,) = asker.send('tell me everything')
+    assert wait_for(lambda: any(f.tokens > 1 for f in a.feedback), 30), asker.log()[-3000:]
+    assert asker.transition('deactivate')
+    status, r = a.result()
+    assert status == ABORTED and (r.reason, r.message) == (Ask.Result.CANCELLED, 'deactivated')
+    assert 1 < r.tokens < BUDGET and a.deltas() == r.text
+    (b,) = asker.send('still there?')
+    status, r = b.result()
+    assert status == ABORTED and r.reason == Ask.Result.REJECTED
+    assert r.message == 'the node is not active: deactivated'
+    # Its row was freed with it.
+    d = asker.fresh_diag()
+    assert (d['active'], d['active_requests'], d['questions_open']) == ('False', '0', '0')
