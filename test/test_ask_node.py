@@ -8,6 +8,7 @@ The tests run in order on one node process: inactive first, then active, then de
 import pathlib
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -220,6 +221,21 @@ def test_the_oxygen_ask_command_prints_the_answer(asker, domain):
     pieces = [f for f in asker.wire[seen:] if f.request_id == rid]
     assert proc.stdout == ''.join(f.delta for f in pieces) + '\n'
     assert (pieces[-1].stamp.sec, pieces[-1].stamp.nanosec) == (int(m[2]), int(m[3]))
+
+
+def test_the_oxygen_ask_command_cancels_on_ctrl_c(asker, domain):
+    exe = pathlib.Path(ament.get_package_prefix('oxygen_ros')) / 'lib' / 'oxygen_ros' / 'oxygen_ask'
+    seen = len(asker.wire)
+    proc = subprocess.Popen([sys.executable, str(exe), 'tell me everything'],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=node_env(domain))
+    assert wait_for(lambda: any(f.tokens > 2 for f in asker.wire[seen:]), 60), \
+        asker.log()[-3000:]
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert re.search(r'tokens, cancelled\] cancelled by its caller', err), err
+    assert wait_for(lambda: asker.fresh_diag()['questions_open'] == '0', 10), asker.diag
 
 
 def test_deactivate_ends_open_goals_and_refuses_new_ones(asker):
