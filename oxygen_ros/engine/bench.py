@@ -61,8 +61,10 @@ def observations(model_cfg, n: int, cameras: int, seed: int = 0):
 
 
 def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dict:
-    """P, D and d_b, measured with the same kernels the schedulers call."""
+    """P, D and d_b, measured with the same kernels the schedulers call (with graphs on,
+    the static denoise and decode, replayed as CUDA graphs on a GPU)."""
     model, kv, dev = engine.model, engine.cache.kv, engine.device
+    static = getattr(engine.scheduler, 'static', None)
     obs = next(observations(engine.model_cfg, 1, 3))
     f = engine.frame(obs)
     rows = min(max_batch, engine.cache.max_requests)
@@ -72,8 +74,11 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
             model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv, slice(r, r + 1))
         prefill = _median_ms(lambda: model.prefill(f.images, f.image_mask, f.tokens,
                                                    f.token_mask, kv, slice(0, 1)), dev, repeats)
-        denoise = _median_ms(lambda: model.denoise(kv, slice(0, 1), f.noise, steps), dev,
-                             repeats)
+        if static is not None:
+            denoise = _median_ms(lambda: static.denoise(0, f.noise), dev, repeats)
+        else:
+            denoise = _median_ms(lambda: model.denoise(kv, slice(0, 1), f.noise, steps), dev,
+                                 repeats)
         decode = {}
         for b in range(1, rows + 1):
             idx = torch.arange(b, device=dev)
@@ -84,7 +89,9 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
 
             def one(b=b, idx=idx, tok=tok, start=start, reqs=reqs):
                 # A whole decode step: the pass, the output layer and choosing the tokens.
-                sample(model.logits(model.decode_hidden(kv, idx, tok)), reqs, limit)
+                hidden = static.decode_hidden(list(range(b)), [5] * b) if static is not None \
+                    else model.decode_hidden(kv, idx, tok)
+                sample(model.logits(hidden), reqs, limit)
                 # Rewind so every repeat decodes at the same length.
                 kv.length[:b], kv.next_pos[:b], kv.valid[:b] = (t.clone() for t in start)
 
@@ -152,6 +159,8 @@ def main(argv=None) -> dict:
     p.add_argument('--control-rate', type=float, default=70.0)
     p.add_argument('--compile', action='store_true',
                    help='torch.compile the decode and denoise steps (slow start; for CUDA)')
+    p.add_argument('--graphs', action='store_true',
+                   help='static-shape denoise and decode, CUDA graphs on a GPU (graphs: true)')
     p.add_argument('--out', default='benchmarks/out')
     p.add_argument('--plot', action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
@@ -170,7 +179,7 @@ def main(argv=None) -> dict:
         cfg = EngineConfig(mode=mode, device=args.device, denoise_steps=args.N, decode_k=k,
                            max_requests=max_batch + 1, max_new_tokens=T, stop_at_eos=False,
                            prompt_format='subtask', control_rate_hz=args.control_rate,
-                           compile=args.compile)
+                           compile=args.compile, graphs=args.graphs and mode != 'parallel')
         return Engine(cfg, model=model, tokenizer=tok)
 
     phases = phase_times(engine('oxygen', t_max), max_batch, args.N, args.repeats)
@@ -210,7 +219,8 @@ def main(argv=None) -> dict:
 
     report = dict(config=args.config, params=params, device=str(device), dtype=str(dtype),
                   threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
-                  N=args.N, k=args.k, compile=args.compile, phases=phases, results=rows,
+                  N=args.N, k=args.k, compile=args.compile, graphs=args.graphs,
+                  phases=phases, results=rows,
                   k_sweep=sweep)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -86,7 +86,10 @@ class StaticPhases:
         cfg = model.cfg
         self.columns = denoise_buckets(cfg, kv.max_len)
         self.batches = batch_buckets(max(1, cache.max_requests))
-        self.mods, self.dtime = model.flow_schedule(denoise_steps)
+        # The expert's time modulations are fixed by the weights and the steps: computed
+        # once here, inputs of every replay. Weights replaced after this (not copied into
+        # in place) would leave the graphs reading the old ones.
+        mods, dtime = model.flow_schedule(denoise_steps)
         dev = kv.device
         pinned = self.capture and dev.type == 'cuda'
         pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -98,7 +101,7 @@ class StaticPhases:
                                       dtype=kv.dtype)
             self._denoise = {
                 c: _Call(lambda row, noise, c=c: model.denoise_static(
-                    kv, row, noise, c, self.mods, self.dtime), (self._row, self._noise),
+                    kv, row, noise, c, mods, dtime), (self._row, self._noise),
                     self.capture, pool)
                 for c in self.columns}
             # Per batch bucket: rows, tokens and liveness as one [3, b] upload, from a
@@ -113,6 +116,8 @@ class StaticPhases:
                 self._decode[b] = _Call(
                     lambda p: model.decode_hidden(kv, p[0], p[1], kv.max_len, p[2].bool()),
                     (packed,), self.capture, pool)
+        # The rotary tables the graphs read: kept alive should the model grow new ones.
+        self._tables = model._rope
 
     def denoise(self, row: int, noise: torch.Tensor) -> torch.Tensor:
         """Actions [1, horizon, action_dim] from the prefix in ``row`` (as prefill left it)."""
