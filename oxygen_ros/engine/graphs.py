@@ -78,23 +78,21 @@ class _Call:
 class StaticPhases:
     """The unguided denoise and the batched decode step of one model and KV cache."""
 
-    def __init__(self, model: Pi05, cache: KVCache, denoise_steps: int,
-                 capture: bool | None = None):
+    def __init__(self, model: Pi05, cache: KVCache, denoise_steps: int):
         kv = cache.kv
         self.model, self.cache = model, cache
-        self.capture = kv.device.type == 'cuda' if capture is None else capture
+        self.capture = kv.device.type == 'cuda'
         cfg = model.cfg
         self.columns = denoise_buckets(cfg, kv.max_len)
         self.batches = batch_buckets(max(1, cache.max_requests))
-        # The expert's time modulations are fixed by the weights and the steps: computed
-        # once here, inputs of every replay. Weights replaced after this (not copied into
-        # in place) would leave the graphs reading the old ones.
-        mods, dtime = model.flow_schedule(denoise_steps)
         dev = kv.device
-        pinned = self.capture and dev.type == 'cuda'
         pool = torch.cuda.graph_pool_handle() if self.capture else None
         with torch.inference_mode():
-            # Row, then noise: the scratch row is always there to capture against.
+            # The expert's time modulations are fixed by the weights and the steps:
+            # computed once here, inputs of every replay. Weights replaced after this (not
+            # copied into in place) would leave the graphs reading the old ones.
+            mods, dtime = model.flow_schedule(denoise_steps)
+            # Captured against the scratch row, which always exists.
             self._row = torch.full((1,), cache.scratch, dtype=torch.long, device=dev)
             # The engine's noise comes in the cache's dtype.
             self._noise = torch.zeros(1, cfg.action_horizon, cfg.action_dim, device=dev,
@@ -112,7 +110,7 @@ class StaticPhases:
                 packed[0] = cache.scratch
                 self._packed[b] = packed
                 self._host[b] = torch.zeros(3, b, dtype=torch.long, pin_memory=True) \
-                    if pinned else None
+                    if self.capture else None
                 self._decode[b] = _Call(
                     lambda p: model.decode_hidden(kv, p[0], p[1], kv.max_len, p[2].bool()),
                     (packed,), self.capture, pool)

@@ -290,7 +290,8 @@ class Scheduler:
         if self.mode == 'oxygen':
             k = self.decode_k if self.adaptive is None else self.wanted_k()
             while self.active and steps < k:
-                now = clock()
+                # Adaptive k needs the time the device has really spent so far.
+                now = clock(sync=self.adaptive is not None)
                 batch = len(self.active)
                 if self.adaptive is not None and not self.adaptive.fits(now - t0, steps, batch):
                     break
