@@ -35,6 +35,11 @@ def prefill_rows(model, kv, layouts, seed=0):
         model.prefill(images, image_mask, tokens, token_mask, kv, slice(row, row + 1))
 
 
+def copy(kv: KV) -> KV:
+    return KV([t.clone() for t in kv.k], [t.clone() for t in kv.v], kv.valid.clone(),
+              kv.length.clone(), kv.next_pos.clone())
+
+
 LAYOUTS = [((0, 1, 2), 24), ((0,), 9), ((1, 2), 3), ((), 17)]  # cameras, text tokens
 
 
@@ -79,9 +84,7 @@ def test_padded_decode_matches_eager_and_leaves_the_pad_row(model):
     cfg = model.cfg
     eager_kv = KV.allocate(cfg, 5, cfg.prefix_len + 6)
     prefill_rows(model, eager_kv, LAYOUTS)
-    static_kv = KV(*(x.clone() if torch.is_tensor(x) else [t.clone() for t in x]
-                     for x in (eager_kv.k, eager_kv.v, eager_kv.valid, eager_kv.length,
-                               eager_kv.next_pos)))
+    static_kv = copy(eager_kv)
     pad = 4  # a row nobody reads, as the cache's scratch row is
     before = static_kv.length[pad].item(), static_kv.next_pos[pad].item()
     g = torch.Generator().manual_seed(2)
@@ -185,13 +188,23 @@ def test_static_phases_trace_without_graph_breaks(model):
     prefill_rows(model, kv, LAYOUTS[:2])
     mods, dtime = model.flow_schedule(10)
     noise = torch.randn(1, cfg.action_horizon, cfg.action_dim)
-    explain = torch._dynamo.explain(model.denoise_static)(kv, torch.tensor([1]), noise,
-                                                          kv.max_len, mods, dtime)
+    torch._dynamo.reset()
+    denoise = (kv, torch.tensor([1]), noise, kv.max_len, mods, dtime)
+    explain = torch._dynamo.explain(model.denoise_static)(*denoise)
     assert (explain.graph_count, explain.graph_break_count) == (1, 0), explain.break_reasons
-    explain = torch._dynamo.explain(model.decode_hidden)(
-        kv, torch.tensor([0, 1, 2]), torch.tensor([5, 6, 0]), kv.max_len,
-        torch.tensor([True, True, False]))
+    # fullgraph=True fails on any break; the traced graph computes what the eager call does.
+    compiled = torch.compile(model.denoise_static, fullgraph=True, backend='eager')
+    torch.testing.assert_close(compiled(*denoise), model.denoise_static(*denoise))
+
+    decode = (torch.tensor([0, 1, 2]), torch.tensor([5, 6, 0]), kv.max_len,
+              torch.tensor([True, True, False]))
+    explain = torch._dynamo.explain(model.decode_hidden)(kv, *decode)
     assert (explain.graph_count, explain.graph_break_count) == (1, 0), explain.break_reasons
+    # Each call appends to rows 0 and 1: run both from the same cache state.
+    twin = copy(kv)
+    compiled = torch.compile(model.decode_hidden, fullgraph=True, backend='eager')
+    torch.testing.assert_close(compiled(kv, *decode)[:2], model.decode_hidden(twin, *decode)[:2])
+    assert torch.equal(kv.length, twin.length) and torch.equal(kv.valid, twin.valid)
 
 
 def test_static_phases_refuse_what_has_no_bucket(model):
