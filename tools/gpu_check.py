@@ -5,7 +5,7 @@
 
 Steps, all offline (random weights, the built-in tokenizer):
 1. precision: the small config in bfloat16 against float32 on the device (actions, greedy
-   tokens), and the graphs path against the eager one in the device's dtype;
+   tokens), and the graphs path against the eager one (float32; on CUDA bfloat16 too);
 2. frame time of one request (prefill + denoise) for 1, 2 and 3 views, eager vs graphs;
 3. oxygen-bench at T = 5, 10, 20, 30 (isolated, shared_kv, oxygen; N = 10, k = 5, and the k
    sweep with adaptive k) with graphs, and eager at T = 30, peak device memory per mode;
@@ -101,16 +101,20 @@ def precision(device: torch.device, frames: int, config: str) -> dict:
     m16.to_inference(device, torch.bfloat16).eval()
     ref = run_frames(engine(m32), frames)
     out = dict(bf16_vs_fp32=compare(ref, run_frames(engine(m16), frames)))
-    # The device's own dtype, graphs against eager: on CUDA this exercises the captures.
-    m = m16 if device.type == 'cuda' else m32
+    # Graphs against eager (on CUDA this runs the captures). In float32 they must agree;
+    # in bfloat16 masked columns may round differently and flip a near-tied random token.
     oxygen = dict(mode='oxygen', decode_k=3, max_requests=4)
-    out['graphs_vs_eager'] = compare(run_frames(engine(m, **oxygen), frames),
-                                     run_frames(engine(m, graphs=True, **oxygen), frames))
-    out['graphs_vs_eager']['dtype'] = str(m.dtype)
-    out['ok'] = bool(out['bf16_vs_fp32']['action_rel'] <= ACTION_TOL
-                     and out['bf16_vs_fp32']['token_agreement'] >= TOKEN_AGREEMENT
-                     and out['graphs_vs_eager']['action_rel'] <= 1e-2
-                     and out['graphs_vs_eager']['tokens_identical'])
+    out['graphs_vs_eager'] = compare(run_frames(engine(m32, **oxygen), frames),
+                                     run_frames(engine(m32, graphs=True, **oxygen), frames))
+    ok = out['graphs_vs_eager']['action_rel'] <= 1e-4 \
+        and out['graphs_vs_eager']['tokens_identical']
+    if device.type == 'cuda':
+        out['graphs_vs_eager_bf16'] = compare(
+            run_frames(engine(m16, **oxygen), frames),
+            run_frames(engine(m16, graphs=True, **oxygen), frames))
+        ok = ok and out['graphs_vs_eager_bf16']['action_rel'] <= ACTION_TOL
+    out['ok'] = bool(ok and out['bf16_vs_fp32']['action_rel'] <= ACTION_TOL
+                     and out['bf16_vs_fp32']['token_agreement'] >= TOKEN_AGREEMENT)
     return out
 
 
@@ -180,7 +184,9 @@ def markdown(report: dict) -> str:
              f"{report['precision_config']} config.", '',
              '| precision | actions max abs | actions rel | tokens agree | first token | '
              'identical |', '|---|---|---|---|---|---|']
-    for key in ('bf16_vs_fp32', 'graphs_vs_eager'):
+    for key in ('bf16_vs_fp32', 'graphs_vs_eager', 'graphs_vs_eager_bf16'):
+        if key not in p:
+            continue
         c = p[key]
         lines.append(f"| {key} | {c['action_max_abs']:.2e} | {c['action_rel']:.2e} | "
                      f"{c['token_agreement']:.2f} | {c['first_token_agreement']:.2f} | "
