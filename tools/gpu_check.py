@@ -204,14 +204,16 @@ def markdown(report: dict) -> str:
                   f"{ph['prefill_ms']:.2f} ms, 10 denoise steps {ph['denoise_ms']:.2f} ms, "
                   'decode step ' + ', '.join(f'b={k} {v:.2f} ms'
                                             for k, v in ph['decode_ms'].items()), '',
-                  '| mode | T | frame ms mean | p99 | action Hz | tokens/s | speedup | '
-                  'phase ratio | memory MB |', '|---|---|---|---|---|---|---|---|---|']
+                  '| mode | T | frame ms mean | p99 | x its phases | action Hz | tokens/s | '
+                  'speedup | phase ratio | memory MB | reserved MB |',
+                  '|---|---|---|---|---|---|---|---|---|---|---|']
         for r in b['results']:
             ratio = f"{r['phase_ratio']:.2f}x" if 'phase_ratio' in r else ''
+            reserved = f"{r['memory_reserved_mb']:.0f}" if 'memory_reserved_mb' in r else ''
             lines.append(f"| {r['mode']} | {r['T']} | {r['frame_ms_mean']:.2f} | "
-                         f"{r['frame_ms_p99']:.2f} | {r['action_hz']:.1f} | "
-                         f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {ratio} | "
-                         f"{r['memory_mb']:.0f} |")
+                         f"{r['frame_ms_p99']:.2f} | {r['frame_ms_mean'] / r['phase_ms']:.3f} | "
+                         f"{r['action_hz']:.1f} | {r['tokens_per_s']:.0f} | "
+                         f"{r['speedup']:.2f}x | {ratio} | {r['memory_mb']:.0f} | {reserved} |")
         if b.get('k_sweep'):
             lines += ['', f"| k (T={b['k_sweep'][0]['T']}, graphs) | frame ms mean | "
                       'action Hz | tokens/s | over budget |', '|---|---|---|---|---|']

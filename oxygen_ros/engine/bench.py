@@ -194,10 +194,15 @@ def main(argv=None) -> dict:
     for T, mode in tqdm(plan, desc='oxygen-bench', unit='run'):
         e = engine(mode, T)
         if device.type == 'cuda':
+            torch.cuda.empty_cache()  # what earlier engines left cached is not this one's
             torch.cuda.reset_peak_memory_stats(device)
         r = run_mode(e, args.frames, args.warmup, args.cameras)
         r.update(mode=mode, T=T, N=args.N, k=args.k if mode == 'oxygen' else T,
                  memory_mb=memory_mb(e))
+        if device.type == 'cuda':
+            # CUDA graphs replay in a private pool that the allocator does not count as
+            # allocated; reserved memory includes it.
+            r['memory_reserved_mb'] = torch.cuda.max_memory_reserved(device) / 2**20
         # What the frame would take if it were nothing but its phases.
         if mode == 'oxygen':
             b = min(math.ceil(T / args.k), max(d))
