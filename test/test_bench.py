@@ -1,6 +1,11 @@
 """oxygen-bench end to end on the tiny model: every mode and T measured, files written."""
 import csv
 import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
 
 import torch
 
@@ -10,7 +15,7 @@ torch.set_num_threads(1)
 
 
 def test_bench_writes_json_csv_png(tmp_path, capsys):
-    report = bench.main(['--config', 'tiny', '--T', '2', '4', '--k', '2', '--frames', '3',
+    report = bench.run(['--config', 'tiny', '--T', '2', '4', '--k', '2', '--frames', '3',
                          '--warmup', '1', '--repeats', '2', '--threads', '1',
                          '--out', str(tmp_path)])
     rows = report['results']
@@ -40,3 +45,34 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
     assert (tmp_path / 'bench.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     printed = capsys.readouterr().out
     assert '| oxygen | 4 |' in printed and 'oxygen T=4: frame ' in printed
+
+
+def test_installed_console_script_exits_0(tmp_path):
+    """`pip install .` then `oxygen-bench`: the entry point's exit status is main()'s return
+    value, so a successful run must exit 0 with nothing on stderr but progress bars."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    # A copy, so pip's build files do not land in the repository (its build/ is colcon's).
+    src = tmp_path / 'src'
+    shutil.copytree(root / 'oxygen_ros', src / 'oxygen_ros',
+                    ignore=shutil.ignore_patterns('__pycache__'))
+    shutil.copy(root / 'setup.py', src)
+    prefix = tmp_path / 'prefix'
+    subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps',
+                    '--no-build-isolation', '--prefix', str(prefix), str(src)], check=True)
+    exe = prefix / 'bin' / 'oxygen-bench'
+    site = next(prefix.glob('lib/python*/site-packages'))
+    env = dict(os.environ, OMP_NUM_THREADS='1',
+               PYTHONPATH=os.pathsep.join([str(site), os.environ.get('PYTHONPATH', '')]))
+    out = tmp_path / 'out'
+    done = subprocess.run([str(exe), '--config', 'tiny', '--frames', '2', '--warmup', '0',
+                           '--T', '5', '--repeats', '1', '--threads', '1', '--out', str(out),
+                           ], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "{'config'" not in done.stderr  # the report is not printed as an exit message
+    assert '| oxygen | 5 |' in done.stdout
+    report = json.loads((out / 'bench.json').read_text())
+    assert report['config'] == 'tiny' and len(report['results']) == len(bench.MODES)
+    # The installed copy ran, not the sources or the colcon install space.
+    probe = subprocess.run([sys.executable, '-c', 'import oxygen_ros; print(oxygen_ros.__file__)'],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip().startswith(str(site)), probe.stdout

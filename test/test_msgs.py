@@ -30,3 +30,30 @@ def test_narration_field_types():
         'tokens': 'uint32',
         'done': 'boolean',
     }
+
+
+def test_ask_action_fields_and_constants():
+    action = pytest.importorskip('oxygen_ros.action')
+    from rclpy.serialization import deserialize_message, serialize_message
+
+    Ask = action.Ask
+    assert Ask.Goal.get_fields_and_field_types() == {
+        'question': 'string', 'max_new_tokens': 'uint32', 'prompt_format': 'string'}
+    assert Ask.Feedback.get_fields_and_field_types() == {
+        'request_id': 'uint64', 'stamp': 'builtin_interfaces/Time', 'state': 'string',
+        'delta': 'string', 'text': 'string', 'tokens': 'uint32'}
+    assert Ask.Result.get_fields_and_field_types() == {
+        'request_id': 'uint64', 'stamp': 'builtin_interfaces/Time', 'text': 'string',
+        'tokens': 'uint32', 'reason': 'string', 'message': 'string'}
+    # The reasons and states the ask module uses, as constants clients can compare with.
+    from oxygen_ros.ask import STATES
+    from oxygen_ros.engine.requests import REASONS
+    assert {getattr(Ask.Result, r.upper()) for r in REASONS} == set(REASONS)
+    assert {getattr(Ask.Feedback, s.upper()) for s in STATES} == set(STATES)
+    r = Ask.Result(request_id=9, text='yes', tokens=2, reason=Ask.Result.BUDGET)
+    r.stamp.sec, r.stamp.nanosec = 4, 5
+    back = deserialize_message(serialize_message(r), Ask.Result)
+    assert (back.request_id, back.text, back.tokens, back.reason) == (9, 'yes', 2, 'budget')
+    assert (back.stamp.sec, back.stamp.nanosec) == (4, 5)
+    # The action's wrapper types exist: rclpy's ActionServer and ActionClient need them.
+    assert Ask.Impl.SendGoalService and Ask.Impl.GetResultService and Ask.Impl.FeedbackMessage

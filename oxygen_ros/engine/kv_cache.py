@@ -1,10 +1,10 @@
 """The unified KV cache: who owns which rows of one preallocated key/value store.
 
 One store serves every task. Each language request owns one row (its prefix KV, then its
-generated tokens). The newest frame's prefill writes straight into the row of the request it
-starts; the action expert reads that row in place. A frame that starts no request (or whose
-request was not admitted) prefills into a reserved scratch row, so actions never wait for a
-free row.
+generated tokens). The newest frame's prefill writes straight into the row of the first
+request it starts; the action expert reads that row in place, and the frame's other requests
+start from copies of it. A frame that starts no request (or none admitted) prefills into a
+reserved scratch row, so actions never wait for a free row.
 """
 
 from __future__ import annotations
@@ -16,16 +16,23 @@ from ..model import KV, ModelConfig
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, max_requests: int, max_new_tokens: int,
-                 device='cpu', dtype=torch.float32, prefix_len: int | None = None):
+                 device='cpu', dtype=torch.float32, prefix_len: int | None = None,
+                 extension: int = 0):
         if max_requests < 0:
             raise ValueError(f'max_requests must be >= 0, got {max_requests}')
         if max_new_tokens < 1:
             raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
         self.max_requests = max_requests
         self.max_new_tokens = max_new_tokens
+        if extension < 0:
+            raise ValueError(f'extension must be >= 0, got {extension}')
         self.prefix_len = prefix_len or cfg.prefix_len
-        # Rows 0..max_requests-1 are request slots; the last row is the scratch row.
-        self.kv = KV.allocate(cfg, max_requests + 1, self.prefix_len + max_new_tokens,
+        self.extension = extension
+        # Rows 0..max_requests-1 are request slots; the last row is the scratch row. A row
+        # holds a prefix, up to `extension` tokens of the request's own (a question), and its
+        # generated tokens.
+        self.kv = KV.allocate(cfg, max_requests + 1,
+                              self.prefix_len + extension + max_new_tokens,
                               device=device, dtype=dtype)
         self.scratch = max_requests
         self._free = list(range(max_requests))

@@ -24,7 +24,7 @@ class ParallelScheduler:
 
     def __init__(self, model, max_requests: int, max_new_tokens: int, denoise_steps: int = 10,
                  vocab_limit: int | None = None, device='cpu', dtype=torch.float32,
-                 frame_budget_ms: float = 1000 * 10 / 70):
+                 frame_budget_ms: float = 1000 * 10 / 70, extension: int = 0):
         # A second copy of the weights, as two independent workers would hold.
         second = type(model)(model.cfg)
         second.load_state_dict(model.state_dict())
@@ -32,7 +32,7 @@ class ParallelScheduler:
         self.act = Scheduler(model, KVCache(model.cfg, 0, 1, device, dtype),
                              mode='isolated', denoise_steps=denoise_steps)
         self.lang = Scheduler(second, KVCache(model.cfg, max(1, max_requests), max_new_tokens,
-                                              device, dtype),
+                                              device, dtype, extension=extension),
                               mode='shared_kv', admission='reject_newest',
                               vocab_limit=vocab_limit)
         self.denoise_steps = denoise_steps
@@ -70,23 +70,26 @@ class ParallelScheduler:
         return actions, self.clock() - t0
 
     @torch.inference_mode()
-    def _language(self, f: Frame, request: Request | None) -> FrameOutput:
+    def _language(self, f: Frame, requests: list[Request]) -> FrameOutput:
         out = FrameOutput(actions=torch.empty(0))
-        if request is None:
-            return out
-        row = self.lang._admit(request, out)
-        if row is not None:
-            self.lang._start(request, row, self.lang._prefill(f, row))
-            self.lang.decode_to_end(out)
+        for r in requests:
+            row = self.lang._admit(r, out)
+            if row is not None:
+                self.lang._start(r, row, self.lang._prefill(f, row))
+        self.lang.decode_to_end(out)
         return out
 
-    def step(self, f: Frame, request: Request | None = None, on_actions=None) -> FrameOutput:
+    def cancel(self, request_id: int) -> Request | None:
+        # Requests end inside the frame that starts them: none is left to cancel between frames.
+        return self.lang.cancel(request_id)
+
+    def step(self, f: Frame, requests: list[Request] = (), on_actions=None) -> FrameOutput:
         threads = torch.get_num_threads()
         if self.act.cache.kv.device.type == 'cpu':
             torch.set_num_threads(max(1, threads // 2))  # process-wide, hence per frame
         try:
             t0 = self.clock()
-            lang = self._pool.submit(self._language, f, request)
+            lang = self._pool.submit(self._language, f, list(requests))
             actions, act_ms = self._actions(f)
             if on_actions is not None:
                 on_actions(actions)

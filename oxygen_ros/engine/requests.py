@@ -9,6 +9,11 @@ import torch
 
 _ids = itertools.count(1)
 
+# Why a request ended: end of sequence, its token budget, cancelled by its caller, dropped by
+# the admission policy (for a newer request, or past the wait queue), refused a KV row.
+REASONS = ('done', 'budget', 'cancelled', 'dropped', 'rejected')
+ENDED_EARLY = ('cancelled', 'dropped', 'rejected')
+
 
 @dataclass
 class Request:
@@ -17,6 +22,10 @@ class Request:
     ``row`` is the KV cache row holding its prefix and generated tokens (None while it waits
     for a row); ``tokens`` are the generated ids. The first token comes from the prefill's last
     valid hidden state, so a request of T tokens needs T logits but only T-1 decode passes.
+
+    ``extension`` holds the request's own tokens after the frame's shared prefix (a
+    question); they are appended to its row in one pass before its first token is chosen.
+    ``reason`` says why it ended: one of REASONS.
     """
 
     stamp: float
@@ -26,12 +35,16 @@ class Request:
     temperature: float = 0.0
     seed: int = 0
     eos_id: int = 1
+    kind: str = 'narration'  # or 'question'
+    extension: list[int] = field(default_factory=list)
     id: int = field(default_factory=lambda: next(_ids))
     row: int | None = None
     tokens: list[int] = field(default_factory=list)
     frames: int = 0  # frames it has been decoded in so far
     finished: bool = False
     cancelled: bool = False
+    reason: str = ''
+    note: str = ''  # what happened, in words, when it ended early
     _generator: torch.Generator | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -52,8 +65,17 @@ class Request:
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
-        if len(self.tokens) >= self.max_new_tokens or (self.stop_at_eos and token == self.eos_id):
-            self.finished = True
+        if self.stop_at_eos and token == self.eos_id:
+            self.end('done')
+        elif len(self.tokens) >= self.max_new_tokens:
+            self.end('budget')
+
+    def end(self, reason: str) -> None:
+        if reason not in REASONS:
+            raise ValueError(f'reason must be one of {REASONS}, got {reason!r}')
+        self.finished = True
+        self.cancelled = reason in ENDED_EARLY
+        self.reason = reason
 
     def generator(self, device: torch.device) -> torch.Generator:
         # One generator per request keeps sampled text independent of how requests are batched.

@@ -1,10 +1,13 @@
 """What runs each frame: one prefill, the action chunk by its deadline, then language.
 
-Modes share one interface, ``step(frame, request, on_actions) -> FrameOutput``, and the same
-model kernels, so they differ only in scheduling:
+Modes share one interface, ``step(frame, requests, on_actions) -> FrameOutput``, and the same
+model kernels, so they differ only in scheduling. Every request a frame starts (narration,
+questions) grows from that frame's one prefill: the first admitted one owns the prefilled
+row, the others get a copy of it, and a request with tokens of its own (a question) has them
+appended to its row in one extension pass, after the action chunk is out.
 
 - ``isolated``: the baseline. Prefill for the actions, then a second prefill of the same
-  observation for the frame's request, decoded to the end inside the frame.
+  observation for each of the frame's requests, decoded to the end inside the frame.
 - ``shared_kv``: one prefill feeds the actions and the request, decoded to the end in-frame.
 - ``oxygen``: one prefill feeds the actions and the request; then ``k`` decode steps for
   every active request in one batch, requests living across frames (continuous batching).
@@ -51,8 +54,9 @@ class FrameOutput:
     actions: torch.Tensor  # [horizon, action_dim], normalised model space
     # (request, token, tokens so far, last) in emission order.
     tokens: list[tuple[Request, int, int, bool]] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # done or cancelled this frame
-    rejected: Request | None = None
+    finished: list[Request] = field(default_factory=list)  # ended this frame, any reason
+    rejected: list[Request] = field(default_factory=list)  # refused a row (also in finished)
+    queued: list[Request] = field(default_factory=list)  # waiting for a row (admission wait)
     timing: dict = field(default_factory=dict)
 
 
@@ -156,29 +160,64 @@ class Scheduler:
             return row
         if self.admission == 'drop_oldest' and self.active:
             oldest = min(self.active, key=lambda r: r.stamp)
-            self._finish(oldest, out, cancelled=True)
+            oldest.note = 'dropped to free a KV row for a newer request (admission drop_oldest)'
+            self._finish(oldest, out, 'dropped')
             self.dropped += 1
             return self.cache.alloc()
         if self.admission == 'wait':
             # Waits for a row; its prefill is redone then, in language time, never the actions'.
             return None
         self.rejected += 1
-        out.rejected = request
+        request.end('rejected')
+        request.note = (f'all {self.cache.max_requests} KV rows are busy (admission '
+                        f'{self.admission})')
+        out.rejected.append(request)
+        out.finished.append(request)
         return None
 
-    def _finish(self, r: Request, out: FrameOutput, cancelled: bool = False) -> None:
-        r.finished = True
-        r.cancelled = cancelled
+    def _queue(self, request: Request, f: Frame, out: FrameOutput) -> None:
+        self.pending.append((request, f))
+        while len(self.pending) > self.max_pending:
+            old, _ = self.pending.popleft()
+            old.end('dropped')
+            old.note = f'dropped from the wait queue, which holds {self.max_pending}'
+            out.finished.append(old)
+            self.dropped += 1
+        if not request.finished:
+            out.queued.append(request)
+
+    def _finish(self, r: Request, out: FrameOutput, reason: str | None = None) -> None:
+        if reason is not None:
+            r.end(reason)
         self.cache.free(r.row)
         r.row = None
         self.active.remove(r)
         self._hidden.pop(r.id, None)
         out.finished.append(r)
 
+    def cancel(self, request_id: int) -> Request | None:
+        """End a request now: its KV row (or its place in the wait queue) is free on return.
+        None when no request of that id is active or waiting."""
+        for r in self.active:
+            if r.id == request_id:
+                self._finish(r, FrameOutput(actions=torch.empty(0)), 'cancelled')
+                r.note = 'cancelled by its caller'
+                return r
+        for i, (r, _) in enumerate(self.pending):
+            if r.id == request_id:
+                del self.pending[i]
+                r.end('cancelled')
+                r.note = 'cancelled by its caller while waiting for a KV row'
+                return r
+        return None
+
     def cancel_all(self) -> list[Request]:
         out = FrameOutput(actions=torch.empty(0))
         for r in list(self.active):
-            self._finish(r, out, cancelled=True)
+            self._finish(r, out, 'cancelled')
+        for r, _ in self.pending:
+            r.end('cancelled')
+            out.finished.append(r)
         self.pending.clear()
         return out.finished
 
@@ -197,6 +236,10 @@ class Scheduler:
                                   self.denoise_steps, guide=f.guide)[0]
 
     def _start(self, request: Request, row: int, hidden: torch.Tensor) -> None:
+        """``row`` holds the request's prefix and ``hidden`` the state after its last token."""
+        if request.extension:
+            tokens = torch.tensor(request.extension, device=self.cache.kv.device)
+            hidden = self.model.extend(self.cache.kv, row, tokens)
         request.row = row
         self.active.append(request)
         self._hidden[request.id] = hidden
@@ -253,14 +296,17 @@ class Scheduler:
     # -- one frame -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, f: Frame, request: Request | None = None, on_actions=None) -> FrameOutput:
+    def step(self, f: Frame, requests: list[Request] = (), on_actions=None) -> FrameOutput:
         clock = self.clock
         t0 = clock()
         out = FrameOutput(actions=torch.empty(0))
-        row = None
-        if request is not None and self.mode != 'isolated':
-            row = self._admit(request, out)
-        shared = row if row is not None else self.cache.scratch
+        born = []  # (request, row) sharing this frame's prefill
+        if self.mode != 'isolated':
+            for r in requests:
+                row = self._admit(r, out)
+                if row is not None:
+                    born.append((r, row))
+        shared = born[0][1] if born else self.cache.scratch
         hidden = self._prefill(f, shared)
         t1 = clock()
         actions = self._denoise(f, shared)
@@ -269,19 +315,20 @@ class Scheduler:
         if on_actions is not None:
             on_actions(actions)
 
-        # Language: only after the action chunk is out.
-        if request is not None:
-            if self.mode == 'isolated':
-                row = self._admit(request, out)
+        # Language: only after the action chunk is out. Copies first: the shared row's own
+        # request may extend it.
+        for _, row in born[1:]:
+            self.cache.kv.copy_row(shared, row)
+        for r, row in born:
+            self._start(r, row, hidden)
+        if self.mode == 'isolated':
+            for r in requests:
+                row = self._admit(r, out)
                 if row is not None:
-                    hidden = self._prefill(f, row)  # the baseline's second prefill
-            if row is not None:
-                self._start(request, row, hidden)
-            elif self.admission == 'wait' and out.rejected is None:
-                self.pending.append((request, f))
-                while len(self.pending) > self.max_pending:
-                    self.pending.popleft()
-                    self.dropped += 1
+                    self._start(r, row, self._prefill(f, row))  # the baseline's second prefill
+        for r in requests:
+            if r.row is None and not r.finished:
+                self._queue(r, f, out)
         self._admit_pending()
         t3 = clock()
 

@@ -70,6 +70,16 @@ class KV:
     def row_nbytes(self) -> int:
         return self.nbytes // self.rows
 
+    def copy_row(self, src: int, dst: int) -> None:
+        """Make row ``dst`` hold what row ``src`` holds (its written columns and bookkeeping),
+        so a second request can grow from one prefill without encoding it again."""
+        n = int(self.length[src])
+        for t in (*self.k, *self.v):
+            t[dst, :, :n] = t[src, :, :n]
+        self.valid[dst] = self.valid[src]
+        self.length[dst] = self.length[src]
+        self.next_pos[dst] = self.next_pos[src]
+
     def clear(self, rows: slice | torch.Tensor | int = slice(None)) -> None:
         """Forget the given rows; their keys and values are left as garbage, never read."""
         self.valid[rows] = False

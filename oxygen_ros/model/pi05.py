@@ -3,7 +3,8 @@
 The phases share one KV store (see kv.py):
   prefill      encodes an observation, writes every VLM layer's prefix keys and values;
   denoise      runs flow matching with the action expert, only reading the prefix;
-  decode_step  appends one text token per request and returns its next-token logits.
+  decode_step  appends one text token per request and returns its next-token logits;
+  extend       appends a run of text tokens (a question) to one row after what it holds.
 forward_full and forward_text recompute whole sequences without a cache; they are the
 reference the phases are checked against, not a fast path.
 """
@@ -460,6 +461,46 @@ class Pi05(nn.Module):
         kv.length[rows] = col + step
         kv.next_pos[rows] = pos + step
         return self.vlm_norm(x[:, 0])
+
+    @torch.no_grad()
+    def extend(self, kv: KV, row: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Append text ``tokens`` [n] to one row in one pass; returns the final-normed hidden
+        state [1, width] after the last of them.
+
+        Each token attends to the row's valid columns and to the tokens before it, at
+        positions continuing from kv.next_pos, exactly as if they had been decoded one by
+        one: a question enters a request after the frame's prefix without a second prefill.
+        """
+        dev = self.device
+        tokens = tokens.to(dev).reshape(1, -1)
+        n = tokens.shape[1]
+        start, pos0 = int(kv.length[row]), int(kv.next_pos[row])
+        end = start + n
+        if n == 0:
+            raise ValueError("extend needs at least one token")
+        if end > kv.max_len:
+            raise ValueError(f"{n} tokens after {start} columns do not fit KV rows of "
+                             f"{kv.max_len}")
+        kv.valid[row, start:end] = True
+        cols = torch.arange(end, device=dev)
+        new = torch.arange(start, end, device=dev)[:, None]
+        mask = kv.valid[row, :end] & ((cols < start) | (cols <= new))  # [n, end]
+        mask = fold_mask(mask[None, None], self.cfg.vlm.heads // self.cfg.vlm.kv_heads)
+        pos = pos0 + torch.arange(n, device=dev)
+        cos_t, sin_t = self._rope_for(int(kv.max_len) + 1)
+        cos, sin = cos_t[pos][None, :, None], sin_t[pos][None, :, None]
+
+        x = self.embed_tokens(tokens)
+        for i, blk in enumerate(self.vlm):
+            q, k, v = blk.qkv_heads(blk.norm1(x))
+            kv.k[i][row, :, start:end] = rope(k, cos, sin)[0].transpose(0, 1)
+            kv.v[i][row, :, start:end] = v[0].transpose(0, 1)
+            kc, vc = kv.k[i][row:row + 1, :, :end], kv.v[i][row:row + 1, :, :end]
+            x = x + F.linear(attend(rope(q, cos, sin), kc, vc, mask), blk.o.weight)
+            x = x + blk.mlp(blk.norm2(x))
+        kv.length[row] = end
+        kv.next_pos[row] = pos0 + n
+        return self.vlm_norm(x[:, -1])
 
     # ------------------------------------------------------------------ reference
     @torch.no_grad()

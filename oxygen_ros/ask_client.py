@@ -1,0 +1,95 @@
+"""oxygen_ask: ask a running oxygen_node a question and print the answer as it streams.
+
+    oxygen_ask "is the cup in the gripper?" [--node /oxygen_node] [--max-new-tokens N]
+
+The answer goes to stdout piece by piece, then a newline; the request id, the frame it
+answered and, when it did not finish normally, why, go to stderr. Exit status: 0 when the
+answer ended by end of sequence or its token budget, 1 when it was refused, dropped or
+cancelled, 2 when no action server answered. Ctrl-C cancels the question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    import rclpy
+    from rclpy.action import ActionClient
+    from rclpy.signals import SignalHandlerOptions
+
+    from oxygen_ros.action import Ask
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = rclpy.utilities.remove_ros_args(['oxygen_ask', *argv])[1:]
+    p = argparse.ArgumentParser(prog='oxygen_ask', description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('question')
+    p.add_argument('--node', default='/oxygen_node', help='the oxygen_node to ask')
+    p.add_argument('--max-new-tokens', type=int, default=0, help='0 = the node\'s maximum')
+    p.add_argument('--prompt-format', default='', help='with {question} where it goes')
+    p.add_argument('--wait', type=float, default=10.0,
+                   help='seconds to wait for the action server and the goal\'s acceptance')
+    opts = p.parse_args(args)
+    if not 0 <= opts.max_new_tokens < 2**32:
+        p.error('--max-new-tokens must be >= 0')
+
+    # Ctrl-C as a plain KeyboardInterrupt, so the context is still up to send the cancel.
+    rclpy.init(args=['oxygen_ask', *argv], signal_handler_options=SignalHandlerOptions.NO)
+    node = rclpy.create_node('oxygen_ask')
+    name = f'{opts.node.rstrip("/")}/ask'
+    client = ActionClient(node, Ask, name)
+    shown = []
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        shown.append(text)
+
+    def on_feedback(msg):
+        fb = msg.feedback
+        # Feedback may repeat or trail the result: only text not yet shown is printed.
+        have = ''.join(shown)
+        if fb.text.startswith(have) and len(fb.text) > len(have):
+            show(fb.text[len(have):])
+
+    try:
+        if not client.wait_for_server(timeout_sec=opts.wait):
+            print(f'oxygen_ask: no action server {name} (is oxygen_node running and active?)',
+                  file=sys.stderr)
+            return 2
+        goal = Ask.Goal(question=opts.question, max_new_tokens=opts.max_new_tokens,
+                        prompt_format=opts.prompt_format)
+        sent = client.send_goal_async(goal, feedback_callback=on_feedback)
+        rclpy.spin_until_future_complete(node, sent, timeout_sec=opts.wait)
+        handle = sent.result()
+        if handle is None or not handle.accepted:
+            print(f'oxygen_ask: {name} did not accept the goal', file=sys.stderr)
+            return 2
+        done = handle.get_result_async()
+        try:
+            rclpy.spin_until_future_complete(node, done)
+        except KeyboardInterrupt:
+            handle.cancel_goal_async()
+            rclpy.spin_until_future_complete(node, done, timeout_sec=opts.wait)
+        if not done.done():
+            print('oxygen_ask: no result', file=sys.stderr)
+            return 1
+        r = done.result().result
+        have = ''.join(shown)
+        if r.text.startswith(have):
+            show(r.text[len(have):])
+        show('\n')
+        print(f'[request {r.request_id}, frame {r.stamp.sec}.{r.stamp.nanosec:09d}, '
+              f'{r.tokens} tokens, {r.reason}]' + (f' {r.message}' if r.message else ''),
+              file=sys.stderr)
+        return 0 if r.reason in (Ask.Result.DONE, Ask.Result.BUDGET) else 1
+    finally:
+        client.destroy()
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == '__main__':
+    sys.exit(main())

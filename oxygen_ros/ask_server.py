@@ -1,0 +1,96 @@
+"""The ``~/ask`` action server: oxygen_ros/action/Ask over an ``ask.Asks``, nothing more.
+
+Every goal is accepted and answered by its result, so a refusal reaches the caller with
+its reason (reason 'rejected' and a message) instead of a bare rejection. Execution is a
+coroutine: it never blocks the executor (oxygen_node spins a single-threaded one), and
+``Asks.wake`` triggers a guard condition so it resumes as soon as feedback is there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+
+from .action import Ask
+from .ask import Feedback, Goal, Result
+
+
+def stamp_msg(msg, t: float) -> None:
+    """Seconds -> builtin_interfaces/Time fields of ``msg``."""
+    sec = int(t // 1)
+    msg.sec, msg.nanosec = sec, min(int(round((t - sec) * 1e9)), 999_999_999)
+
+
+class _Pause:
+    """Awaiting it hands the executor back once; the coroutine resumes on its next pass."""
+
+    def __await__(self):
+        yield
+
+
+class AskServer:
+    # The result is a service reply, the feedback a topic, and rclpy's ActionClient drops
+    # feedback that arrives after the result: the last piece gets this head start.
+    SETTLE_S = 0.05
+
+    def __init__(self, node, asks, name: str = '~/ask'):
+        self.asks = asks
+        self._wake = node.create_guard_condition(_nothing)
+        asks.wake = self._wake.trigger
+        self.server = ActionServer(node, Ask, name, execute_callback=self._execute,
+                                   goal_callback=lambda _goal: GoalResponse.ACCEPT,
+                                   cancel_callback=lambda _handle: CancelResponse.ACCEPT)
+
+    def destroy(self) -> None:
+        self.asks.wake = _nothing
+        self.server.destroy()
+
+    async def _execute(self, handle):
+        g = handle.request
+        answer = self.asks.open(Goal(g.question, g.max_new_tokens, g.prompt_format))
+        cancelling = False
+        while True:
+            if handle.is_cancel_requested and not cancelling:
+                cancelling = True
+                answer.cancel()
+            item = answer.next(timeout=0)
+            if item is None:
+                await _Pause()
+            elif isinstance(item, Feedback):
+                handle.publish_feedback(_feedback(item))
+            else:
+                await self._settle()
+                if item.succeeded:
+                    handle.succeed()
+                elif cancelling and item.reason == 'cancelled':
+                    handle.canceled()
+                else:
+                    handle.abort()
+                return _result(item)
+
+
+    async def _settle(self):
+        end = time.monotonic() + self.SETTLE_S
+        threading.Timer(self.SETTLE_S, self._wake.trigger).start()
+        while time.monotonic() < end:
+            await _Pause()
+
+
+def _feedback(f: Feedback):
+    m = Ask.Feedback(request_id=f.request_id, state=f.state, delta=f.delta, text=f.text,
+                     tokens=f.tokens)
+    stamp_msg(m.stamp, f.stamp)
+    return m
+
+
+def _result(r: Result):
+    m = Ask.Result(request_id=r.request_id, text=r.text, tokens=r.tokens, reason=r.reason,
+                   message=r.message)
+    stamp_msg(m.stamp, r.stamp)
+    return m
+
+
+def _nothing() -> None:
+    pass
