@@ -65,7 +65,8 @@ class _Call:
                     fn(*inputs)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            # thread_local: the node's other threads may use CUDA while the engine starts.
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode='thread_local'):
                 self.out = fn(*inputs)
 
     def __call__(self) -> torch.Tensor:
