@@ -38,27 +38,15 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _time_ms(fn, device) -> float:
-    _sync(device)
-    t = time.perf_counter()
-    fn()
-    _sync(device)
-    return (time.perf_counter() - t) * 1e3
-
-
 def _median_ms(fn, device, repeats: int) -> float:
-    return float(np.median([_time_ms(fn, device) for _ in range(repeats)]))
-
-
-def _medians_round_robin(calls: dict, device, repeats: int) -> dict:
-    """Median ms of each call, timed in turn: a burst of load from elsewhere then slows
-    one sample of every call rather than every sample of one (on a shared machine a single
-    slow d_1, counted T times in the phase ratio, was seen to move it by a quarter)."""
-    times = {key: [] for key in calls}
+    times = []
     for _ in range(repeats):
-        for key, fn in calls.items():
-            times[key].append(_time_ms(fn, device))
-    return {key: float(np.median(v)) for key, v in times.items()}
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(times))
 
 
 def observations(model_cfg, n: int, cameras: int, seed: int = 0):
@@ -84,12 +72,14 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
     with torch.inference_mode():
         for r in range(rows):
             model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv, slice(r, r + 1))
-        calls = {'prefill': lambda: model.prefill(f.images, f.image_mask, f.tokens,
-                                                  f.token_mask, kv, slice(0, 1))}
+        prefill = _median_ms(lambda: model.prefill(f.images, f.image_mask, f.tokens,
+                                                   f.token_mask, kv, slice(0, 1)), dev, repeats)
         if static is not None:
-            calls['denoise'] = lambda: static.denoise(0, f.noise)
+            denoise = _median_ms(lambda: static.denoise(0, f.noise), dev, repeats)
         else:
-            calls['denoise'] = lambda: model.denoise(kv, slice(0, 1), f.noise, steps)
+            denoise = _median_ms(lambda: model.denoise(kv, slice(0, 1), f.noise, steps), dev,
+                                 repeats)
+        decode = {}
         for b in range(1, rows + 1):
             idx = torch.arange(b, device=dev)
             tok = torch.full((b,), 5, device=dev)
@@ -105,12 +95,10 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
                 # Rewind so every repeat decodes at the same length.
                 kv.length[:b], kv.next_pos[:b], kv.valid[:b] = (t.clone() for t in start)
 
-            calls[b] = one
-        ms = _medians_round_robin(calls, dev, repeats)
+            decode[b] = _median_ms(one, dev, repeats)
     for r in range(rows):
         kv.clear(slice(r, r + 1))
-    return dict(prefill_ms=ms['prefill'], denoise_ms=ms['denoise'],
-                decode_ms={b: ms[b] for b in range(1, rows + 1)})
+    return dict(prefill_ms=prefill, denoise_ms=denoise, decode_ms=decode)
 
 
 def run_mode(engine: Engine, frames: int, warmup: int, cameras: int) -> dict:
