@@ -101,12 +101,21 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
     return dict(prefill_ms=prefill, denoise_ms=denoise, decode_ms=decode)
 
 
+# The scheduler's timing of a frame's parts (language_prefill: the isolated baseline's
+# second prefill and rows admitted from the wait queue).
+PARTS = ('prefill_ms', 'denoise_ms', 'language_prefill_ms', 'decode_ms')
+
+
 def run_mode(engine: Engine, frames: int, warmup: int, cameras: int) -> dict:
     frame_ms, tok_rate, tokens, batches = [], [], 0, []
+    parts = {key: [] for key in PARTS}
     for i, obs in enumerate(observations(engine.model_cfg, warmup + frames, cameras)):
         r = engine.step(obs, narrate=True)
         if i < warmup:
             continue
+        for key, v in parts.items():
+            if key in r.timing:
+                v.append(r.timing[key])
         ms = r.timing['frame_ms']
         n = sum(1 for e in r.events if not e.cancelled)
         frame_ms.append(ms)
@@ -125,6 +134,8 @@ def run_mode(engine: Engine, frames: int, warmup: int, cameras: int) -> dict:
         tokens=tokens,
         mean_batch=float(np.mean(batches)) if batches else 0.0,
         budget_misses=int((ms > engine.scheduler.frame_budget_ms).sum()),
+        # Medians of the frame's own parts, to set beside the phases measured alone.
+        in_frame={key: float(np.median(v)) for key, v in parts.items() if v},
     )
 
 
@@ -277,8 +288,11 @@ def phase_lines(rows) -> str:
     for r in rows:
         if 'phase_ms' not in r:
             continue
+        parts = ', '.join(f"{k.removesuffix('_ms').replace('_', ' ')} {v:.1f}"
+                          for k, v in r.get('in_frame', {}).items())
         line = (f"{r['mode']} T={r['T']}: frame {r['frame_ms_mean']:.1f} ms = "
-                f"{r['frame_ms_mean'] / r['phase_ms']:.3f} x its phases ({r['phase_ms']:.1f} ms)")
+                f"{r['frame_ms_mean'] / r['phase_ms']:.3f} x its phases ({r['phase_ms']:.1f} ms;"
+                f" in the frame, medians: {parts})")
         if 'phase_ratio' in r:
             line += (f"; speedup {r['speedup']:.2f}x = {100 * r['speedup'] / r['phase_ratio']:.0f}%"
                      f" of the phase ratio {r['phase_ratio']:.2f}x")
