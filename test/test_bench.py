@@ -25,6 +25,14 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
         # EOS is off and one request starts per frame: tokens per frame are bounded by T.
         assert 0 < r['frame_ms_p50'] <= r['frame_ms_p99']
         assert abs(r['action_hz'] - 4 * 1000.0 / r['frame_ms_mean']) < 1e-6  # horizon 4
+        if r['mode'] != 'parallel':
+            # The sum of the frame's phases, by the README's formulas.
+            ph = report['phases']
+            want = {'isolated': 2 * ph['prefill_ms'], 'shared_kv': ph['prefill_ms'],
+                    'oxygen': ph['prefill_ms']}[r['mode']] + ph['denoise_ms']
+            want += r['T'] * ph['decode_ms'][1] if r['mode'] != 'oxygen' \
+                else 2 * ph['decode_ms'][min(r['T'] // 2, 2)]
+            assert abs(r['phase_ms'] - want) < 1e-9
         if r['mode'] == 'isolated':
             assert r['speedup'] == 1.0
             assert r['tokens'] == r['T'] * 3  # every request decoded to the end in-frame
@@ -35,7 +43,8 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
         table = list(csv.DictReader(f))
     assert len(table) == 8 and {'mode', 'T', 'action_hz', 'tokens_per_s'} <= set(table[0])
     assert (tmp_path / 'bench.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    assert '| oxygen | 4 |' in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert '| oxygen | 4 |' in printed and 'oxygen T=4: frame ' in printed
 
 
 def test_installed_console_script_exits_0(tmp_path):

@@ -61,8 +61,10 @@ def observations(model_cfg, n: int, cameras: int, seed: int = 0):
 
 
 def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dict:
-    """P, D and d_b, measured with the same kernels the schedulers call."""
+    """P, D and d_b, measured with the same kernels the schedulers call (with graphs on,
+    the static denoise and decode, replayed as CUDA graphs on a GPU)."""
     model, kv, dev = engine.model, engine.cache.kv, engine.device
+    static = getattr(engine.scheduler, 'static', None)
     obs = next(observations(engine.model_cfg, 1, 3))
     f = engine.frame(obs)
     rows = min(max_batch, engine.cache.max_requests)
@@ -72,8 +74,11 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
             model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv, slice(r, r + 1))
         prefill = _median_ms(lambda: model.prefill(f.images, f.image_mask, f.tokens,
                                                    f.token_mask, kv, slice(0, 1)), dev, repeats)
-        denoise = _median_ms(lambda: model.denoise(kv, slice(0, 1), f.noise, steps), dev,
-                             repeats)
+        if static is not None:
+            denoise = _median_ms(lambda: static.denoise(0, f.noise), dev, repeats)
+        else:
+            denoise = _median_ms(lambda: model.denoise(kv, slice(0, 1), f.noise, steps), dev,
+                                 repeats)
         decode = {}
         for b in range(1, rows + 1):
             idx = torch.arange(b, device=dev)
@@ -84,7 +89,9 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
 
             def one(b=b, idx=idx, tok=tok, start=start, reqs=reqs):
                 # A whole decode step: the pass, the output layer and choosing the tokens.
-                sample(model.logits(model.decode_hidden(kv, idx, tok)), reqs, limit)
+                hidden = static.decode_hidden(list(range(b)), [5] * b) if static is not None \
+                    else model.decode_hidden(kv, idx, tok)
+                sample(model.logits(hidden), reqs, limit)
                 # Rewind so every repeat decodes at the same length.
                 kv.length[:b], kv.next_pos[:b], kv.valid[:b] = (t.clone() for t in start)
 
@@ -94,12 +101,21 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
     return dict(prefill_ms=prefill, denoise_ms=denoise, decode_ms=decode)
 
 
+# The scheduler's timing of a frame's parts (language_prefill: the isolated baseline's
+# second prefill and rows admitted from the wait queue).
+PARTS = ('prefill_ms', 'denoise_ms', 'language_prefill_ms', 'decode_ms')
+
+
 def run_mode(engine: Engine, frames: int, warmup: int, cameras: int) -> dict:
     frame_ms, tok_rate, tokens, batches = [], [], 0, []
+    parts = {key: [] for key in PARTS}
     for i, obs in enumerate(observations(engine.model_cfg, warmup + frames, cameras)):
         r = engine.step(obs, narrate=True)
         if i < warmup:
             continue
+        for key, v in parts.items():
+            if key in r.timing:
+                v.append(r.timing[key])
         ms = r.timing['frame_ms']
         n = sum(1 for e in r.events if not e.cancelled)
         frame_ms.append(ms)
@@ -118,6 +134,8 @@ def run_mode(engine: Engine, frames: int, warmup: int, cameras: int) -> dict:
         tokens=tokens,
         mean_batch=float(np.mean(batches)) if batches else 0.0,
         budget_misses=int((ms > engine.scheduler.frame_budget_ms).sum()),
+        # Medians of the frame's own parts, to set beside the phases measured alone.
+        in_frame={key: float(np.median(v)) for key, v in parts.items() if v},
     )
 
 
@@ -153,6 +171,8 @@ def run(argv=None) -> dict:
     p.add_argument('--control-rate', type=float, default=70.0)
     p.add_argument('--compile', action='store_true',
                    help='torch.compile the decode and denoise steps (slow start; for CUDA)')
+    p.add_argument('--graphs', action='store_true',
+                   help='static-shape denoise and decode, CUDA graphs on a GPU (graphs: true)')
     p.add_argument('--out', default='benchmarks/out')
     p.add_argument('--plot', action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
@@ -171,7 +191,7 @@ def run(argv=None) -> dict:
         cfg = EngineConfig(mode=mode, device=args.device, denoise_steps=args.N, decode_k=k,
                            max_requests=max_batch + 1, max_new_tokens=T, stop_at_eos=False,
                            prompt_format='subtask', control_rate_hz=args.control_rate,
-                           compile=args.compile)
+                           compile=args.compile, graphs=args.graphs and mode != 'parallel')
         return Engine(cfg, model=model, tokenizer=tok)
 
     phases = phase_times(engine('oxygen', t_max), max_batch, args.N, args.repeats)
@@ -186,13 +206,22 @@ def run(argv=None) -> dict:
     for T, mode in tqdm(plan, desc='oxygen-bench', unit='run'):
         e = engine(mode, T)
         if device.type == 'cuda':
+            torch.cuda.empty_cache()  # what earlier engines left cached is not this one's
             torch.cuda.reset_peak_memory_stats(device)
         r = run_mode(e, args.frames, args.warmup, args.cameras)
         r.update(mode=mode, T=T, N=args.N, k=args.k if mode == 'oxygen' else T,
                  memory_mb=memory_mb(e))
+        if device.type == 'cuda':
+            # CUDA graphs replay in a private pool that the allocator does not count as
+            # allocated; reserved memory includes it.
+            r['memory_reserved_mb'] = torch.cuda.max_memory_reserved(device) / 2**20
+        # What the frame would take if it were nothing but its phases.
         if mode == 'oxygen':
             b = min(math.ceil(T / args.k), max(d))
-            r['phase_ratio'] = (2 * P + D + T * d[1]) / (P + D + args.k * d[b])
+            r['phase_ms'] = P + D + args.k * d[b]
+            r['phase_ratio'] = (2 * P + D + T * d[1]) / r['phase_ms']
+        elif mode in ('isolated', 'shared_kv'):
+            r['phase_ms'] = (2 * P if mode == 'isolated' else P) + D + T * d[1]
         rows.append(r)
         if hasattr(e.scheduler, 'close'):
             e.scheduler.close()
@@ -211,7 +240,8 @@ def run(argv=None) -> dict:
 
     report = dict(config=args.config, params=params, device=str(device), dtype=str(dtype),
                   threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
-                  N=args.N, k=args.k, compile=args.compile, phases=phases, results=rows,
+                  N=args.N, k=args.k, compile=args.compile, graphs=args.graphs,
+                  phases=phases, results=rows,
                   k_sweep=sweep)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,6 +253,7 @@ def run(argv=None) -> dict:
         w.writeheader()
         w.writerows(rows)
     print(table(rows))
+    print(phase_lines(rows))
     if sweep:
         print(sweep_table(sweep))
     if args.plot:
@@ -247,6 +278,25 @@ def table(rows) -> str:
                      f"{r['frame_ms_p99']:.1f} | {r['action_hz']:.1f} | "
                      f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {ratio} | "
                      f"{r['memory_mb']:.0f} |")
+    return '\n'.join(lines)
+
+
+def phase_lines(rows) -> str:
+    """Each frame against the sum of its phases, and oxygen's speedup against its ratio:
+    what the frame spends outside the model phases shows here."""
+    lines = []
+    for r in rows:
+        if 'phase_ms' not in r:
+            continue
+        parts = ', '.join(f"{k.removesuffix('_ms').replace('_', ' ')} {v:.1f}"
+                          for k, v in r.get('in_frame', {}).items())
+        line = (f"{r['mode']} T={r['T']}: frame {r['frame_ms_mean']:.1f} ms = "
+                f"{r['frame_ms_mean'] / r['phase_ms']:.3f} x its phases ({r['phase_ms']:.1f} ms;"
+                f" in the frame, medians: {parts})")
+        if 'phase_ratio' in r:
+            line += (f"; speedup {r['speedup']:.2f}x = {100 * r['speedup'] / r['phase_ratio']:.0f}%"
+                     f" of the phase ratio {r['phase_ratio']:.2f}x")
+        lines.append(line)
     return '\n'.join(lines)
 
 

@@ -65,6 +65,10 @@ class EngineConfig:
     prompt_format: str = 'pi05'  # pi05: openpi's action prompt with state; subtask: OxyGen's
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     compile: bool = False  # torch.compile the decode and denoise phases (CUDA)
+    # Static-shape denoise and decode, captured as CUDA graphs at start-up on CUDA
+    # (engine/graphs.py); elsewhere the same static calls run eagerly.
+    graphs: bool = False
+    phase_timing: bool = False  # CUDA: wait for the device at each phase to time it
     rtc: bool = False  # real-time chunking: guide each chunk towards the one being executed
     rtc_beta: float = 5.0  # largest guidance weight (the paper's beta); 0 = no guidance
 
@@ -93,6 +97,10 @@ class EngineConfig:
             raise ValueError(f'temperature must be >= 0, got {self.temperature}')
         if self.rtc_beta < 0:
             raise ValueError(f'rtc_beta must be >= 0, got {self.rtc_beta}')
+        if self.graphs and self.compile:
+            raise ValueError('graphs and compile are alternatives: set one of them')
+        if self.graphs and self.mode == 'parallel':
+            raise ValueError('graphs are for the single-copy modes, not parallel')
         if self.device.startswith('cuda') and not torch.cuda.is_available():
             raise ValueError(f'device {self.device!r} asked for but CUDA is not available')
 
@@ -185,7 +193,8 @@ class Engine:
             self.scheduler = Scheduler(
                 model, self.cache, mode=cfg.mode, denoise_steps=self.denoise_steps,
                 decode_k=cfg.decode_k, frame_budget_ms=budget, admission=cfg.admission,
-                max_pending=cfg.max_pending, vocab_limit=self.tokenizer.vocab_size)
+                max_pending=cfg.max_pending, vocab_limit=self.tokenizer.vocab_size,
+                graphs=cfg.graphs, phase_timing=cfg.phase_timing)
         # Questions arrive from other threads: they wait in the inbox for the next frame.
         # Whoever runs the scheduler holds _owner; a cancel that finds it held is left in
         # _cancels for the running frame to do before it lets go.
@@ -199,6 +208,11 @@ class Engine:
         self._prompt_cache: tuple[str, tuple] | None = None
         size = self.model_cfg.vision.image_size
         self._blank = torch.zeros(3, size, size)
+        # CUDA: images go up from a pinned buffer without waiting. The buffer is refilled
+        # only by the next frame, after this frame's prefill has read its masks back (the
+        # device has then finished the copy).
+        self._pinned = torch.empty(1, len(self.slots), 3, size, size,
+                                   pin_memory=True) if self.device.type == 'cuda' else None
         self._recent = collections.deque(maxlen=200)  # (wall time, frame ms, tokens)
         self.frames = 0
         self._last: torch.Tensor | None = None  # the last chunk, model space (for RTC)
@@ -298,9 +312,14 @@ class Engine:
                                  f'action width), got shape {list(noise.shape)}')
             noise = torch.from_numpy(noise)[None]
         dtype = self.cache.kv.dtype
+        if self._pinned is not None:
+            torch.stack(images, out=self._pinned[0])
+            images = self._pinned.to(self.device, non_blocking=True).to(dtype)
+        else:
+            images = torch.stack(images)[None].to(self.device, dtype)
         return Frame(
             stamp=obs.stamp,
-            images=torch.stack(images)[None].to(self.device, dtype),
+            images=images,
             image_mask=torch.tensor([present], device=self.device),
             tokens=tokens, token_mask=mask,
             noise=noise.to(self.device, dtype))

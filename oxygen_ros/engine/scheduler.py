@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.rtc import Guide
+from .graphs import StaticPhases
 from .kv_cache import KVCache
 from .requests import Request, sample
 
@@ -60,13 +61,16 @@ class FrameOutput:
 
 
 class Clock:
-    """Wall time in ms that waits for the device, so phase times are real."""
+    """Wall time in ms. On CUDA a reading waits for the device when ``phases`` is on (phase
+    times are then real) or when asked (the frame's end); otherwise it does not stall the
+    queue of kernels in the middle of a frame."""
 
-    def __init__(self, device):
+    def __init__(self, device, phases: bool = True):
         self.cuda = torch.device(device).type == 'cuda'
+        self.phases = phases
 
-    def __call__(self) -> float:
-        if self.cuda:
+    def __call__(self, sync: bool = False) -> float:
+        if self.cuda and (sync or self.phases):
             torch.cuda.synchronize()
         return time.perf_counter() * 1e3
 
@@ -115,7 +119,8 @@ class Scheduler:
     def __init__(self, model, cache: KVCache, mode: str = 'oxygen', denoise_steps: int = 10,
                  decode_k: int = 5, frame_budget_ms: float = 1000 * 10 / 70,
                  admission: str = 'drop_oldest', max_pending: int = 4,
-                 vocab_limit: int | None = None):
+                 vocab_limit: int | None = None, graphs: bool = False,
+                 phase_timing: bool = True):
         if mode not in MODES:
             raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
         if admission not in ADMISSION:
@@ -138,7 +143,9 @@ class Scheduler:
         self.active: list[Request] = []
         self.pending: collections.deque[tuple[Request, Frame]] = collections.deque()
         self._hidden: dict[int, torch.Tensor] = {}  # first-token hidden of new requests
-        self.clock = Clock(cache.kv.device)
+        self.clock = Clock(cache.kv.device, phase_timing)
+        # Static shapes (CUDA graphs on a GPU) for the unguided denoise and the decode step.
+        self.static = StaticPhases(model, cache, denoise_steps) if graphs else None
         self.deadline_misses = 0
         self.rejected = 0
         self.dropped = 0
@@ -220,6 +227,14 @@ class Scheduler:
         return self.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask,
                                   self.cache.kv, slice(row, row + 1))
 
+    def _denoise(self, f: Frame, row: int) -> torch.Tensor:
+        if self.static is not None and f.guide is None:
+            return self.static.denoise(row, f.noise)[0]
+        # Guided (real-time chunking): the guidance differentiates through the expert,
+        # which a captured graph cannot, so it runs eagerly.
+        return self.model.denoise(self.cache.kv, slice(row, row + 1), f.noise,
+                                  self.denoise_steps, guide=f.guide)[0]
+
     def _start(self, request: Request, row: int, hidden: torch.Tensor) -> None:
         """``row`` holds the request's prefix and ``hidden`` the state after its last token."""
         if request.extension:
@@ -237,9 +252,13 @@ class Scheduler:
             return 0
         hidden = []
         if passes:
-            rows = torch.tensor([r.row for r in passes], device=self.cache.kv.device)
-            last = torch.tensor([r.tokens[-1] for r in passes], device=self.cache.kv.device)
-            hidden.append(self.model.decode_hidden(self.cache.kv, rows, last))
+            rows, last = [r.row for r in passes], [r.tokens[-1] for r in passes]
+            if self.static is not None:
+                hidden.append(self.static.decode_hidden(rows, last))
+            else:
+                dev = self.cache.kv.device
+                hidden.append(self.model.decode_hidden(
+                    self.cache.kv, torch.tensor(rows, device=dev), torch.tensor(last, device=dev)))
         hidden += [self._hidden.pop(r.id) for r in fresh]
         # Fresh requests' first tokens share the batch's one pass over the output layer.
         logits = self.model.logits(torch.cat(hidden) if len(hidden) > 1 else hidden[0])
@@ -290,8 +309,7 @@ class Scheduler:
         shared = born[0][1] if born else self.cache.scratch
         hidden = self._prefill(f, shared)
         t1 = clock()
-        actions = self.model.denoise(self.cache.kv, slice(shared, shared + 1), f.noise,
-                                     self.denoise_steps, guide=f.guide)[0]
+        actions = self._denoise(f, shared)
         t2 = clock()
         out.actions = actions
         if on_actions is not None:
@@ -319,7 +337,8 @@ class Scheduler:
         if self.mode == 'oxygen':
             k = self.decode_k if self.adaptive is None else self.wanted_k()
             while self.active and steps < k:
-                now = clock()
+                # Adaptive k needs the time the device has really spent so far.
+                now = clock(sync=self.adaptive is not None)
                 batch = len(self.active)
                 if self.adaptive is not None and not self.adaptive.fits(now - t0, steps, batch):
                     break
@@ -333,7 +352,7 @@ class Scheduler:
         else:
             batches = self.decode_to_end(out)
             steps = len(batches)
-        t4 = clock()
+        t4 = clock(sync=True)
         frame_ms = t4 - t0
         if frame_ms > self.frame_budget_ms:
             self.deadline_misses += 1

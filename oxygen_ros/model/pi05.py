@@ -323,33 +323,62 @@ class Pi05(nn.Module):
             return guide.finish(self._denoise(kv, rows, noise, steps, cols, trace, guide))
 
     def _denoise(self, kv, rows, noise, steps, cols, trace, guide):
-        e = self.cfg.expert
-        dev = self.device
-        b, t, _ = noise.shape
+        b = noise.shape[0]
         rows = _contiguous_rows(rows, kv, b)
         times, dtime = flow_times(steps, self.cfg.time_grid)
         lp = int(kv.length[rows].max()) if cols is None else cols
         mods = self._modulations(times)
-
-        bias = torch.zeros(b, 1, 1, lp + t, device=dev)
-        bias[:, 0, 0, :lp].masked_fill_(~kv.valid[rows, :lp], NEG)
-        pos = kv.next_pos[rows, None] + torch.arange(t, device=dev)
-        cos_t, sin_t = self._rope_for(int(kv.max_len) + t + 1)
-        cos, sin = cos_t[pos].unsqueeze(2), sin_t[pos].unsqueeze(2)
-        prefix = [(kv.k[i][rows, :, :lp].transpose(-1, -2), kv.v[i][rows, :, :lp])
-                  for i in range(e.depth)]
-
-        x = noise.to(dev, torch.float32)
+        inputs = self._denoise_inputs(kv, rows, noise.shape[1], lp)
+        x = noise.to(self.device, torch.float32)
         for step in range(len(times)):
             if guide is None:
-                v = self._velocity(x, mods[step], prefix, bias, cos, sin, lp)
+                v = self._velocity(x, mods[step], *inputs)
             else:
                 v = guide.velocity(x, times[step], lambda y, m=mods[step]: self._velocity(
-                    y, m, prefix, bias, cos, sin, lp))
+                    y, m, *inputs))
             if trace is not None:
                 trace.append(v)
             x = x + dtime * v
         return x
+
+    @torch.no_grad()
+    def denoise_static(self, kv: KV, rows: torch.Tensor, noise: torch.Tensor, cols: int,
+                       mods: list, dtime: float) -> torch.Tensor:
+        """denoise with static shapes and no host synchronisation, for CUDA graph capture:
+        ``rows`` is an index tensor [B] (the prefix is gathered once per call), ``cols``
+        fixes the key columns (masked past each row's valid ones), ``mods`` and ``dtime``
+        come from ``flow_schedule``. Unguided only: the guided path differentiates."""
+        inputs = self._denoise_inputs(kv, rows, noise.shape[1], cols)
+        x = noise.to(self.device, torch.float32)
+        for m in mods:
+            x = x + dtime * self._velocity(x, m, *inputs)
+        return x
+
+    def flow_schedule(self, steps: int) -> tuple[list, float]:
+        """Per-step expert modulations and the Euler step size, for denoise_static."""
+        times, dtime = flow_times(steps, self.cfg.time_grid)
+        return self._modulations(times), dtime
+
+    def _denoise_inputs(self, kv: KV, rows, t: int, lp: int):
+        """What every denoise step reads: the prefix keys (transposed) and values, the key
+        bias, the chunk's rotary tables. ``rows`` a slice reads the cache in place; an index
+        tensor gathers copies (static addresses whichever rows are chosen)."""
+        if isinstance(rows, slice):
+            def take(x):
+                return x[rows]
+        else:
+            def take(x):
+                return x.index_select(0, rows)
+        valid = take(kv.valid[:, :lp])
+        b = valid.shape[0]
+        bias = torch.zeros(b, 1, 1, lp + t, device=self.device)
+        bias[:, 0, 0, :lp].masked_fill_(~valid, NEG)
+        pos = take(kv.next_pos)[:, None] + torch.arange(t, device=self.device)
+        cos_t, sin_t = self._rope_for(int(kv.max_len) + t + 1)
+        cos, sin = cos_t[pos].unsqueeze(2), sin_t[pos].unsqueeze(2)
+        prefix = [(take(kv.k[i][:, :, :lp]).transpose(-1, -2), take(kv.v[i][:, :, :lp]))
+                  for i in range(self.cfg.expert.depth)]
+        return prefix, bias, cos, sin, lp
 
     def _velocity(self, x, mods, prefix, bias, cos, sin, lp):
         e = self.cfg.expert
@@ -385,13 +414,21 @@ class Pi05(nn.Module):
 
     @torch.no_grad()
     def decode_hidden(self, kv: KV, rows: torch.Tensor, tokens: torch.Tensor,
-                      cols: int | None = None) -> torch.Tensor:
+                      cols: int | None = None, live: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """decode_step without the LM head: the final-normed hidden state [b, width].
 
         Rows may differ in prefix layout, valid columns and tokens generated so far; each
         token's key/value goes to column kv.length[row] at position kv.next_pos[row]. Keys
         are gathered for the first ``cols`` columns (default: longest row after appending;
         pass a fixed value for static shapes).
+
+        ``live`` [b] bool pads a batch to a fixed size: a False entry points at a row
+        nobody reads (the cache's scratch row), attends to every column (a fully masked
+        query is NaN on some attention kernels, and NaN keys written there would poison
+        later reads of the row), and neither advances its row nor marks a column valid.
+        With ``cols`` and ``live`` given nothing here waits for the device (CUDA graph
+        capture).
         """
         dev = self.device
         rows, tokens = rows.to(dev), tokens.to(dev)
@@ -400,8 +437,15 @@ class Pi05(nn.Module):
             cols = int(col.max()) + 1
             if cols > kv.max_len:
                 raise ValueError(f"KV rows are full ({kv.max_len} columns)")
-        kv.valid[rows, col] = True
-        mask = kv.valid[:, :cols].index_select(0, rows)[:, None, None, :]
+        if live is None:
+            kv.valid[rows, col] = True
+            mask = kv.valid[:, :cols].index_select(0, rows)
+            step = 1
+        else:
+            kv.valid[rows, col] = live
+            mask = kv.valid[:, :cols].index_select(0, rows) | ~live[:, None]
+            step = live.long()
+        mask = mask[:, None, None, :]
         cos_t, sin_t = self._rope_for(int(kv.max_len) + 1)
         cos, sin = cos_t[pos][:, None, None], sin_t[pos][:, None, None]
 
@@ -414,8 +458,8 @@ class Pi05(nn.Module):
             vc = kv.v[i][:, :, :cols].index_select(0, rows)
             x = x + F.linear(attend(rope(q, cos, sin), kc, vc, mask), blk.o.weight)
             x = x + blk.mlp(blk.norm2(x))
-        kv.length[rows] = col + 1
-        kv.next_pos[rows] = pos + 1
+        kv.length[rows] = col + step
+        kv.next_pos[rows] = pos + step
         return self.vlm_norm(x[:, 0])
 
     @torch.no_grad()
