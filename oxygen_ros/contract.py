@@ -107,6 +107,8 @@ PARAMS = (
     Param('prompt_format', 'pi05', "'pi05' (task + state) or 'subtask'",
           choices=('pi05', 'subtask')),
     Param('compile', False, 'torch.compile the decode and denoise steps (for CUDA; slow start)'),
+    Param('graphs', False, 'static-shape denoise and decode, captured as CUDA graphs at '
+          'configure on CUDA (an alternative to compile)'),
     Param('rtc', False, 'real-time chunking: each chunk is sampled to continue the one being '
           'executed, so chunk switches do not jump'),
     Param('rtc_beta', 5.0, 'real-time chunking: largest guidance weight', low=0.0),
@@ -156,7 +158,8 @@ BY_NAME = {p.name: p for p in PARAMS}
 ENGINE_KEYS = ('model', 'checkpoint', 'normalize', 'conventions', 'asset_id', 'tokenizer',
                'device', 'threads', 'denoise_steps', 'decode_k', 'frame_budget_ms',
                'max_requests', 'max_new_tokens', 'admission', 'temperature', 'seed',
-               'prompt_format', 'compile', 'rtc', 'rtc_beta', 'max_question_tokens')
+               'prompt_format', 'compile', 'graphs', 'rtc', 'rtc_beta',
+               'max_question_tokens')
 
 
 def coerce(name: str, value, p: Param):
