@@ -22,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..model import load_config
-from ..model.tokenizer import Tokenizer, subtask_prompt
-from .bench import PROMPT, _median_ms, observations
-from .engine import QUESTION_FORMAT, Engine, EngineConfig, random_model
+from ..model.tokenizer import subtask_prompt
+from .bench import PROMPT, _median_ms, bench_model, observations
+from .engine import QUESTION_FORMAT, Engine, EngineConfig
 
 QUESTIONS = ['is the cup in the gripper?', 'what is left to do?',
              'which object is closest to the gripper?', 'is the drawer open?']
@@ -117,12 +116,7 @@ def main(argv=None) -> dict:
     p.add_argument('--out', default='benchmarks/out')
     args = p.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
-    torch.manual_seed(0)
-    model = random_model(load_config(args.config), device, dtype).eval()
-    tok = Tokenizer.default()
+    model, tok, device = bench_model(args.config, args.device, args.threads)
     # Narration lives T/k frames, so about T/k + 1 narration rows, plus the questions.
     rows = -(-args.T // args.k) + 1 + max(args.in_flight)
     cfg = EngineConfig(model=args.config, device=args.device, decode_k=args.k,

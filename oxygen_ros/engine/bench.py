@@ -49,6 +49,16 @@ def _median_ms(fn, device, repeats: int) -> float:
     return float(np.median(times))
 
 
+def bench_model(config: str, device: str, threads: int):
+    """What every benchmark here runs on: random weights (seed 0) in bfloat16 on CUDA, float32
+    elsewhere, the built-in tokenizer, `threads` torch threads."""
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == 'cuda' else torch.float32
+    torch.manual_seed(0)
+    return random_model(load_config(config), dev, dtype).eval(), Tokenizer.default(), dev
+
+
 def observations(model_cfg, n: int, cameras: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     size = model_cfg.vision.image_size
@@ -177,12 +187,8 @@ def run(argv=None) -> dict:
     p.add_argument('--plot', action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
-    torch.manual_seed(0)
-    model = random_model(load_config(args.config), device, dtype).eval()
-    tok = Tokenizer.default()
+    model, tok, device = bench_model(args.config, args.device, args.threads)
+    dtype = model.dtype
     params = sum(p.numel() for p in model.parameters())
     t_max = max(args.T)
     max_batch = math.ceil(t_max / args.k) + 1

@@ -22,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..model import load_config
 from ..model.rtc import Handover
-from ..model.tokenizer import Tokenizer
-from .engine import Engine, EngineConfig, Observation, random_model
+from .bench import bench_model
+from .engine import Engine, EngineConfig, Observation
 
 PROMPT = 'pick up the red cube and place it in the bowl'
 
@@ -100,12 +99,7 @@ def main(argv=None) -> int:
     p.add_argument('--plot', action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
-    torch.manual_seed(0)
-    model = random_model(load_config(args.config), device, dtype).eval()
-    tok = Tokenizer.default()
+    model, tok, device = bench_model(args.config, args.device, args.threads)
     rows = []
     for d in args.delays:
         for rtc in (False, True):
