@@ -611,14 +611,11 @@ class OxygenNode(LifecycleNode):
             self._stop_commanding('model failure: NaN/inf actions')
             return
         # A profile whose targets are relative to where the robot is (DROID's velocities)
-        # re-anchors the chunk on the state measured as each action step starts. Its
-        # reanchor(actions, measured, first) returns None when its options make targets
-        # absolute, so one call on the frame's own state tells.
-        anchor = getattr(profile, 'reanchor', None)
+        # re-anchors the chunk on the state measured as each action step starts.
         reanchor = None
-        if anchor is not None and anchor(actions, measured=state, first=0) is not None:
+        if profile.reanchors:
             def reanchor(first, measured, a=actions):
-                return anchor(a, measured=measured, first=first)
+                return profile.reanchor(a, measured=measured, first=first)
         chunk = make_chunk(stamp, self.cfg.action_period, targets, actions, state, reanchor)
         with self._lock:
             if self._active:

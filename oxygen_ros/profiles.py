@@ -36,14 +36,18 @@ class Profile:
         self._state(new)
         return self._actions(actions)
 
+    @property
+    def reanchors(self) -> bool:
+        """Whether this profile's targets depend on where the robot is (see reanchor)."""
+        return False
+
     def reanchor(
         self, actions: np.ndarray, measured: np.ndarray, first: int
     ) -> np.ndarray | None:
         """Targets [H - first, action_dim] for actions first..H-1 of a chunk, recomputed
         from `measured` (the raw robot state read when action `first` starts), or None when
-        this profile's targets do not depend on where the robot is: then the chunk's targets
-        from decode_actions stand. None or not is fixed by the profile's options, so one
-        call tells a caller whether to re-anchor a profile's chunks at all."""
+        the profile does not re-anchor (`reanchors`): then the chunk's targets from
+        decode_actions stand."""
         return None
 
     def _state(self, state: np.ndarray) -> np.ndarray:
@@ -280,10 +284,14 @@ class Droid(Profile):
             a[:, :7] += q0 - q1
         return a
 
+    @property
+    def reanchors(self) -> bool:
+        return self.velocity and not self.open_loop
+
     def reanchor(
         self, actions: np.ndarray, measured: np.ndarray, first: int
     ) -> np.ndarray | None:
-        if not self.velocity or self.open_loop:
+        if not self.reanchors:
             return None
         a = self._actions(actions)
         if not 0 <= first <= len(a):

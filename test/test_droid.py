@@ -208,3 +208,10 @@ def test_option_conflicts_and_bad_actions():
     a[1, 7] = np.nan  # binarised, NaN would read as an open gripper
     with pytest.raises(ValueError, match='non-finite actions'):
         Droid(binarize_gripper=True).decode_actions(a, np.zeros(8))
+
+
+def test_reanchors_says_which_options_reanchor():
+    assert Droid().reanchors
+    assert not Droid(open_loop=True).reanchors
+    assert not Droid(velocity=False).reanchors
+    assert not Droid(velocity=False, delta=True).reanchors
