@@ -369,10 +369,12 @@ class Engine:
                                 stop_at_eos=self.cfg.stop_at_eos,
                                 temperature=self.cfg.temperature, seed=self.cfg.seed,
                                 eos_id=self.tokenizer.eos_id)
+        chunk = []  # the chunk in output units, converted once (a device copy on CUDA)
         hook = None
         if on_actions is not None:
             def hook(a):
-                on_actions(self.actions_out(a))
+                chunk.append(self.actions_out(a))
+                on_actions(chunk[0])
         asks = []
         self._owner.acquire()
         try:
@@ -383,9 +385,11 @@ class Engine:
                 r.stamp = obs.stamp
             out = self.scheduler.step(f, asks + ([narration] if narration else []), hook)
             events = self._events(out)
-            # Cloned out of inference mode: the next frame's guidance differentiates near it.
-            self._last = out.actions.clone()
-            self.guided += f.guide is not None
+            if self.cfg.rtc:
+                # Cloned out of inference mode: the next frame's guidance differentiates
+                # near it.
+                self._last = out.actions.clone()
+                self.guided += f.guide is not None
         except BaseException:
             with self._lock:
                 # The failed frame started none of its questions that are not running: the
@@ -400,8 +404,9 @@ class Engine:
             events += [self._final(r) for r in self._ended]
             self._ended = []
             self._owner.release()
-        result = FrameResult(stamp=obs.stamp, actions=self.actions_out(out.actions),
-                             timing=out.timing, events=events)
+        actions = chunk[0] if chunk else self.actions_out(out.actions)
+        result = FrameResult(stamp=obs.stamp, actions=actions, timing=out.timing,
+                             events=events)
         if narration is not None and narration.reason == 'rejected':
             result.rejected = (f'narration request of frame {obs.stamp:.3f} rejected: all '
                                f'{self.cache.max_requests} KV slots are busy')
