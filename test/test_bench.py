@@ -26,19 +26,25 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
         assert 0 < r['frame_ms_p50'] <= r['frame_ms_p99']
         assert abs(r['action_hz'] - 4 * 1000.0 / r['frame_ms_mean']) < 1e-6  # horizon 4
         if r['mode'] != 'parallel':
-            # The sum of the frame's phases, by the README's formulas.
-            ph = report['phases']
+            # The sum of the frame's phases, by the README's formulas, from the phases
+            # timed once after each of its measured frames.
+            ph = r['phases']
+            assert ph['rounds'] == 3
             want = {'isolated': 2 * ph['prefill_ms'], 'shared_kv': ph['prefill_ms'],
                     'oxygen': ph['prefill_ms']}[r['mode']] + ph['denoise_ms']
             want += r['T'] * ph['decode_ms'][1] if r['mode'] != 'oxygen' \
                 else 2 * ph['decode_ms'][min(r['T'] // 2, 2)]
             assert abs(r['phase_ms'] - want) < 1e-9
+        if r['mode'] == 'oxygen':
+            iso = next(x for x in rows if x['mode'] == 'isolated' and x['T'] == r['T'])
+            assert abs(r['phase_ratio'] - iso['phase_ms'] / r['phase_ms']) < 1e-12
         if r['mode'] == 'isolated':
             assert r['speedup'] == 1.0
             assert r['tokens'] == r['T'] * 3  # every request decoded to the end in-frame
     saved = json.loads((tmp_path / 'bench.json').read_text())
     assert saved['config'] == 'tiny' and len(saved['results']) == 8
     assert set(saved['phases']['decode_ms']) >= {'1', '2'}
+    assert saved['phases']['rounds'] == 2 and saved['phases']['run'] == 2
     with open(tmp_path / 'bench.csv') as f:
         table = list(csv.DictReader(f))
     assert len(table) == 8 and {'mode', 'T', 'action_hz', 'tokens_per_s'} <= set(table[0])

@@ -6,8 +6,10 @@ every request emits exactly T tokens. Metrics (warm-up frames excluded):
   wall time of prefill, denoising and language decoding, direct model calls);
 - language throughput = tokens emitted in a frame / frame time, averaged over frames;
 - speedup = action frequency / that of `isolated` at the same T and N.
-Phase times (prefill P, N denoise steps D, one decode step d_b at batch b) are measured in
-the same run, giving the ratio the phases allow: (2P + D + T d_1) / (P + D + k d_B).
+Phase times (prefill P, N denoise steps D, one decode step d_b at batch b) are timed in
+rounds between each mode's own frames, giving each mode the sum of its phases and oxygen
+the ratio its phases allow: (2P + D + T d_1) over isolated's frames against (P + D + k d_B)
+over its own. A frame longer than its phases spends that time outside the model.
 """
 
 from __future__ import annotations
@@ -38,17 +40,6 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _median_ms(fn, device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(times))
-
-
 def bench_model(config: str, device: str, threads: int):
     """What every benchmark here runs on: random weights (seed 0) in bfloat16 on CUDA, float32
     elsewhere, the built-in tokenizer, `threads` torch threads."""
@@ -70,45 +61,95 @@ def observations(model_cfg, n: int, cameras: int, seed: int = 0):
         yield Observation(stamp=i * 0.1, images=images, state=state, prompt=PROMPT)
 
 
-def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dict:
+def _ms(fn, device) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t) * 1e3
+
+
+def _median_ms(fn, device, repeats: int) -> float:
+    return float(np.median([_ms(fn, device) for _ in range(repeats)]))
+
+
+class Phases:
     """P, D and d_b, measured with the same kernels the schedulers call (with graphs on,
-    the static denoise and decode, replayed as CUDA graphs on a GPU)."""
-    model, kv, dev = engine.model, engine.cache.kv, engine.device
-    static = getattr(engine.scheduler, 'static', None)
-    obs = next(observations(engine.model_cfg, 1, 3))
-    f = engine.frame(obs)
-    rows = min(max_batch, engine.cache.max_requests)
-    limit = engine.tokenizer.vocab_size
-    with torch.inference_mode():
-        for r in range(rows):
-            model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv, slice(r, r + 1))
-        prefill = _median_ms(lambda: model.prefill(f.images, f.image_mask, f.tokens,
-                                                   f.token_mask, kv, slice(0, 1)), dev, repeats)
-        if static is not None:
-            denoise = _median_ms(lambda: static.denoise(0, f.noise), dev, repeats)
+    the static denoise and decode, replayed as CUDA graphs on a GPU), on an engine of their
+    own so that they can be timed between another engine's frames.
+
+    Each ``round()`` times the phases once each, in the order a frame runs them (prefill,
+    denoise, then decode steps at each batch size); a phase's figure is its median over the
+    rounds. Timing one phase many times in a row instead would start every repeat with that
+    phase's own data in the CPU caches, which no frame does. A frame decodes in runs of
+    steps, so d_b is the time per step of ``run`` steps in a row (one step alone pays again
+    for what a run pays once, e.g. waking the thread pool), on rows that already hold
+    ``generated`` tokens (half of a request's, the average a frame decodes at); the rows are
+    rewound after each run, outside the timing.
+    """
+
+    def __init__(self, engine: Engine, max_batch: int, steps: int, generated: int = 0,
+                 run: int = 1):
+        self.engine, self.steps, self.generated, self.run = engine, steps, generated, run
+        self.rows = min(max_batch, engine.cache.max_requests)
+        self.frame = engine.frame(next(observations(engine.model_cfg, 1, 3)))
+        self._requests = [Request(stamp=0.0) for _ in range(self.rows)]
+        self.times = {'prefill': [], 'denoise': [], **{b: [] for b in range(1, self.rows + 1)}}
+        kv, f = engine.cache.kv, self.frame
+        with torch.inference_mode():
+            for r in range(self.rows):
+                engine.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv,
+                                     slice(r, r + 1))
+            for _ in range(generated):
+                self._decode(self.rows)
+            self._start = kv.length.clone(), kv.next_pos.clone(), kv.valid.clone()
+            self._prefill()  # warm-up
+
+    def _decode(self, b: int) -> None:
+        # A whole decode step: the pass, the output layer and choosing the tokens.
+        e = self.engine
+        static, dev = e.scheduler.static, e.device
+        hidden = static.decode_hidden(list(range(b)), [5] * b) if static is not None \
+            else e.model.decode_hidden(e.cache.kv, torch.arange(b, device=dev),
+                                       torch.full((b,), 5, device=dev))
+        sample(e.model.logits(hidden), self._requests[:b], e.tokenizer.vocab_size)
+
+    def _prefill(self) -> None:
+        f, row = self.frame, self.engine.cache.scratch
+        self.engine.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask,
+                                  self.engine.cache.kv, slice(row, row + 1))
+
+    def _denoise(self) -> None:
+        e, row = self.engine, self.engine.cache.scratch
+        if e.scheduler.static is not None:
+            e.scheduler.static.denoise(row, self.frame.noise)
         else:
-            denoise = _median_ms(lambda: model.denoise(kv, slice(0, 1), f.noise, steps), dev,
-                                 repeats)
-        decode = {}
-        for b in range(1, rows + 1):
-            idx = torch.arange(b, device=dev)
-            tok = torch.full((b,), 5, device=dev)
-            start = kv.length[:b].clone(), kv.next_pos[:b].clone(), kv.valid[:b].clone()
+            e.model.denoise(e.cache.kv, slice(row, row + 1), self.frame.noise, self.steps)
 
-            reqs = [Request(stamp=0.0) for _ in range(b)]
+    @torch.inference_mode()
+    def round(self) -> None:
+        dev, kv = self.engine.device, self.engine.cache.kv
+        self.times['prefill'].append(_ms(self._prefill, dev))
+        self.times['denoise'].append(_ms(self._denoise, dev))
+        for b in range(1, self.rows + 1):
+            ms = _ms(lambda b=b: [self._decode(b) for _ in range(self.run)], dev)
+            self.times[b].append(ms / self.run)
+            kv.length[:], kv.next_pos[:], kv.valid[:] = self._start
 
-            def one(b=b, idx=idx, tok=tok, start=start, reqs=reqs):
-                # A whole decode step: the pass, the output layer and choosing the tokens.
-                hidden = static.decode_hidden(list(range(b)), [5] * b) if static is not None \
-                    else model.decode_hidden(kv, idx, tok)
-                sample(model.logits(hidden), reqs, limit)
-                # Rewind so every repeat decodes at the same length.
-                kv.length[:b], kv.next_pos[:b], kv.valid[:b] = (t.clone() for t in start)
+    def result(self) -> dict:
+        t = {key: float(np.median(v)) for key, v in self.times.items()}
+        return dict(prefill_ms=t['prefill'], denoise_ms=t['denoise'],
+                    decode_ms={b: t[b] for b in range(1, self.rows + 1)},
+                    rounds=len(self.times['prefill']), generated=self.generated, run=self.run)
 
-            decode[b] = _median_ms(one, dev, repeats)
-    for r in range(rows):
-        kv.clear(slice(r, r + 1))
-    return dict(prefill_ms=prefill, denoise_ms=denoise, decode_ms=decode)
+
+def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int,
+                generated: int = 0, run: int = 1) -> dict:
+    """``repeats`` rounds of Phases on ``engine``, back to back."""
+    phases = Phases(engine, max_batch, steps, generated, run)
+    for _ in range(repeats):
+        phases.round()
+    return phases.result()
 
 
 # The scheduler's timing of a frame's parts (language_prefill: the isolated baseline's
@@ -116,13 +157,18 @@ def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int) -> dic
 PARTS = ('prefill_ms', 'denoise_ms', 'language_prefill_ms', 'decode_ms')
 
 
-def run_mode(engine: Engine, frames: int, warmup: int, cameras: int) -> dict:
+def run_mode(engine: Engine, frames: int, warmup: int, cameras: int,
+             phases: Phases | None = None) -> dict:
+    """``frames`` measured frames after ``warmup`` ones; with ``phases``, one round of phase
+    timings after each measured frame (outside the frame's own timing)."""
     frame_ms, tok_rate, tokens, batches = [], [], 0, []
     parts = {key: [] for key in PARTS}
     for i, obs in enumerate(observations(engine.model_cfg, warmup + frames, cameras)):
         r = engine.step(obs, narrate=True)
         if i < warmup:
             continue
+        if phases is not None:
+            phases.round()
         for key, v in parts.items():
             if key in r.timing:
                 v.append(r.timing[key])
@@ -175,7 +221,7 @@ def run(argv=None) -> dict:
     p.add_argument('--warmup', type=int, default=8)
     p.add_argument('--cameras', type=int, default=3)
     p.add_argument('--threads', type=int, default=2)
-    p.add_argument('--repeats', type=int, default=10, help='repeats per phase timing')
+    p.add_argument('--repeats', type=int, default=20, help='rounds of phase timings')
     p.add_argument('--adaptive', action='store_true',
                    help='also sweep fixed k against adaptive k at the largest T')
     p.add_argument('--control-rate', type=float, default=70.0)
@@ -200,7 +246,14 @@ def run(argv=None) -> dict:
                            compile=args.compile, graphs=args.graphs and mode != 'parallel')
         return Engine(cfg, model=model, tokenizer=tok)
 
-    phases = phase_times(engine('oxygen', t_max), max_batch, args.N, args.repeats)
+    # Runs of k steps at half a request's length (the rows hold t_max tokens at most).
+    run = min(args.k, t_max)
+    generated = min(t_max // 2, t_max - run)
+    held = torch.cuda.memory_allocated(device) if device.type == 'cuda' else 0
+    timer = engine('oxygen', t_max)  # the engine the phases are timed on
+    phases = phase_times(timer, max_batch, args.N, args.repeats, generated, run)
+    if device.type == 'cuda':
+        held = torch.cuda.memory_allocated(device) - held
     P, D, d = phases['prefill_ms'], phases['denoise_ms'], phases['decode_ms']
     print(f'model {args.config}: {params / 1e6:.1f}M params, {device}, {dtype}, '
           f'{torch.get_num_threads()} threads')
@@ -211,29 +264,41 @@ def run(argv=None) -> dict:
     plan = [(T, m) for T in args.T for m in args.modes]
     for T, mode in tqdm(plan, desc='oxygen-bench', unit='run'):
         e = engine(mode, T)
+        # Each mode's phases are timed between its own frames, so a machine that slows
+        # down during one mode's run slows that mode's phases too.
+        # (parallel runs two models at once: no sum of phases describes its frame.)
+        own = Phases(timer, max_batch, args.N, generated, run) if mode != 'parallel' else None
+        r = run_mode(e, args.frames, args.warmup, args.cameras, own)
+        r.update(mode=mode, T=T, N=args.N, k=args.k if mode == 'oxygen' else T)
         if device.type == 'cuda':
+            # Peak memory from a second pass without the phase rounds, whose work is not
+            # the mode's; the phase engine's tensors are taken off.
             torch.cuda.empty_cache()  # what earlier engines left cached is not this one's
             torch.cuda.reset_peak_memory_stats(device)
-        r = run_mode(e, args.frames, args.warmup, args.cameras)
-        r.update(mode=mode, T=T, N=args.N, k=args.k if mode == 'oxygen' else T,
-                 memory_mb=memory_mb(e))
-        if device.type == 'cuda':
+            run_mode(e, args.frames, args.warmup, args.cameras)
+            r['memory_mb'] = (torch.cuda.max_memory_allocated(device) - held) / 2**20
             # CUDA graphs replay in a private pool that the allocator does not count as
-            # allocated; reserved memory includes it.
+            # allocated; reserved memory includes it (and the phase engine's).
             r['memory_reserved_mb'] = torch.cuda.max_memory_reserved(device) / 2**20
-        # What the frame would take if it were nothing but its phases.
-        if mode == 'oxygen':
-            b = min(math.ceil(T / args.k), max(d))
-            r['phase_ms'] = P + D + args.k * d[b]
-            r['phase_ratio'] = (2 * P + D + T * d[1]) / r['phase_ms']
-        elif mode in ('isolated', 'shared_kv'):
-            r['phase_ms'] = (2 * P if mode == 'isolated' else P) + D + T * d[1]
+        else:
+            r['memory_mb'] = memory_mb(e)
+        if own is not None:
+            # What the frame would take if it were nothing but its phases.
+            r['phases'] = ph = own.result()
+            P1, D1, d1 = ph['prefill_ms'], ph['denoise_ms'], ph['decode_ms']
+            if mode == 'oxygen':
+                r['phase_ms'] = P1 + D1 + args.k * d1[min(math.ceil(T / args.k), max(d1))]
+            else:
+                r['phase_ms'] = (2 * P1 if mode == 'isolated' else P1) + D1 + T * d1[1]
         rows.append(r)
         if hasattr(e.scheduler, 'close'):
             e.scheduler.close()
     for r in rows:
         base = next((x for x in rows if x['T'] == r['T'] and x['mode'] == 'isolated'), None)
         r['speedup'] = r['action_hz'] / base['action_hz'] if base else float('nan')
+        if r['mode'] == 'oxygen' and base is not None:
+            # Both sums from phases timed during their own mode's run.
+            r['phase_ratio'] = base['phase_ms'] / r['phase_ms']
 
     sweep = []
     if args.adaptive:
