@@ -299,11 +299,27 @@ class OxygenNode(LifecycleNode):
         self._halt('cleanup')
         for entity in self._ros:
             try:
-                entity.destroy()
+                self._destroy(entity)
             except Exception:  # already gone with the context
                 pass
         self._ros = []
         self.engine = None
+
+    def _destroy(self, entity):
+        # Through the node: a bare publisher or subscription destroy() leaves its QoS event
+        # handlers among what the executor waits on, and its next spin raises on them.
+        from rclpy.publisher import Publisher
+        from rclpy.subscription import Subscription
+        from rclpy.timer import Timer
+
+        if isinstance(entity, Publisher):
+            self.destroy_publisher(entity)
+        elif isinstance(entity, Subscription):
+            self.destroy_subscription(entity)
+        elif isinstance(entity, Timer):
+            self.destroy_timer(entity)
+        else:
+            entity.destroy()  # the AskServer
 
     def _halt(self, why: str):
         """Stop commanding: hold the robot where it is, then end the threads."""
@@ -315,7 +331,7 @@ class OxygenNode(LifecycleNode):
             self._tick()  # publish the hold now, not at the next control period
         self._stop.set()
         if self._timer is not None:
-            self._timer.destroy()
+            self.destroy_timer(self._timer)
             self._timer = None
         for t in self._threads:
             t.join(10.0)
