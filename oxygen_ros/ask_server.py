@@ -3,11 +3,14 @@
 Every goal is accepted and answered by its result, so a refusal reaches the caller with
 its reason (reason 'rejected' and a message) instead of a bare rejection. Execution is a
 coroutine: it never blocks the executor (oxygen_node spins a single-threaded one), and
-``Asks.wake`` triggers a guard condition so it resumes as soon as feedback is there.
+``Asks.wake`` triggers a guard condition so it resumes as soon as feedback is there. A node
+that stops spinning (oxygen_node on a signal) ends its goals, then ``close`` spins on until
+their results are out.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -34,15 +37,35 @@ class AskServer:
     # The result is a service reply, the feedback a topic, and rclpy's ActionClient drops
     # feedback that arrives after the result: the last piece gets this head start.
     SETTLE_S = 0.05
+    # rclpy sends a result from a task that the goal's end puts on the executor, and the
+    # reply needs a moment on the wire before the node is destroyed: close() spins this long
+    # after the last goal ended.
+    SEND_S = 0.1
 
     def __init__(self, node, asks, name: str = '~/ask'):
         self.asks = asks
         self._node = node
+        self._executing = 0  # goals whose coroutine has not returned its result yet
+        self._ended_at = -math.inf  # time.monotonic() when the last one returned
         self._wake = node.create_guard_condition(_nothing)
         asks.wake = self._wake.trigger
         self.server = ActionServer(node, Ask, name, execute_callback=self._execute,
                                    goal_callback=lambda _goal: GoalResponse.ACCEPT,
                                    cancel_callback=lambda _handle: CancelResponse.ACCEPT)
+
+    def close(self, spin_once, limit_s: float) -> int:
+        """Send the result of every goal, then destroy the server. ``spin_once`` (the node's
+        executor's, called with ``timeout_sec``) runs the goals' coroutines: a node that
+        stopped spinning calls this once its goals are ended (``Asks.deactivate``). Spins at
+        most ``limit_s``; returns how many goals were still executing then, whose callers
+        get no result."""
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end and (
+                self._executing or time.monotonic() < self._ended_at + self.SEND_S):
+            spin_once(timeout_sec=0.01)
+        left = self._executing
+        self.destroy()
+        return left
 
     def destroy(self) -> None:
         self.asks.wake = _nothing
@@ -51,6 +74,14 @@ class AskServer:
         self._node.destroy_guard_condition(self._wake)
 
     async def _execute(self, handle):
+        self._executing += 1
+        try:
+            return await self._answer(handle)
+        finally:
+            self._executing -= 1
+            self._ended_at = time.monotonic()
+
+    async def _answer(self, handle):
         g = handle.request
         answer = self.asks.open(Goal(g.question, g.max_new_tokens, g.prompt_format))
         cancelling = False
@@ -72,7 +103,6 @@ class AskServer:
                 else:
                     handle.abort()
                 return _result(item)
-
 
     async def _settle(self):
         end = time.monotonic() + self.SETTLE_S

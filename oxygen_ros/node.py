@@ -59,6 +59,8 @@ from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_r
 from oxygen_ros.playback import Command, Player, make_chunk
 
 SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
+# How long a stopping node spins on to send the results of the ~/ask goals it ended.
+ASK_CLOSE_S = 1.0
 
 
 def problem_key(kind: str, text: str) -> str:
@@ -120,6 +122,7 @@ class OxygenNode(LifecycleNode):
         self.player = None
         self._timer = None  # control under use_sim_time
         self.asks = Asks()  # ~/ask goals; the engine takes them only while active
+        self.ask_server = None  # from configure to cleanup, or past shutdown until main closes it
         self.start_error = StartError('a lifecycle transition failed; see the log above')
         self.cfg = self._read_params(argv)
         self.add_on_set_parameters_callback(self._on_set_parameters)
@@ -247,7 +250,9 @@ class OxygenNode(LifecycleNode):
 
     def on_shutdown(self, state) -> TransitionCallbackReturn:
         self._halt('shutting down')
-        self._cleanup()
+        # ~/ask outlives it: the goals just ended get their results only while the executor
+        # spins, and main closes the server once they are out.
+        self._cleanup(keep_ask_server=True)
         return SUCCESS
 
     def on_error(self, state) -> TransitionCallbackReturn:
@@ -295,15 +300,34 @@ class OxygenNode(LifecycleNode):
                           f'actions per chunk (n_action_steps); play_steps: '
                           f'{e.n_action_steps} does the same here')
 
-    def _cleanup(self):
+    def _cleanup(self, keep_ask_server: bool = False):
         self._halt('cleanup')
-        for entity in self._ros:
+        entities, self._ros = self._ros, []
+        if self.ask_server is not None and not keep_ask_server:
+            entities.append(self.ask_server)
+            self.ask_server = None
+        for entity in entities:
             try:
-                entity.destroy()
+                self._destroy(entity)
             except Exception:  # already gone with the context
                 pass
-        self._ros = []
         self.engine = None
+
+    def _destroy(self, entity):
+        # Through the node: a bare publisher or subscription destroy() leaves its QoS event
+        # handlers among what the executor waits on, and its next spin raises on them.
+        from rclpy.publisher import Publisher
+        from rclpy.subscription import Subscription
+        from rclpy.timer import Timer
+
+        if isinstance(entity, Publisher):
+            self.destroy_publisher(entity)
+        elif isinstance(entity, Subscription):
+            self.destroy_subscription(entity)
+        elif isinstance(entity, Timer):
+            self.destroy_timer(entity)
+        else:
+            entity.destroy()  # the AskServer
 
     def _halt(self, why: str):
         """Stop commanding: hold the robot where it is, then end the threads."""
@@ -315,7 +339,7 @@ class OxygenNode(LifecycleNode):
             self._tick()  # publish the hold now, not at the next control period
         self._stop.set()
         if self._timer is not None:
-            self._timer.destroy()
+            self.destroy_timer(self._timer)
             self._timer = None
         for t in self._threads:
             t.join(10.0)
@@ -376,7 +400,7 @@ class OxygenNode(LifecycleNode):
                       self.diag_pub, *([self.predicted_pub] if self.predicted_pub else []),
                       self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'], self._diagnose)]
         self.asks.deactivate('configured, not yet activated')
-        self._ros.append(AskServer(self, self.asks))
+        self.ask_server = AskServer(self, self.asks)
         self._msgs = dict(JointTrajectory=JointTrajectory, Narration=Narration, String=String,
                           DiagnosticArray=DiagnosticArray)
         self.log.info(
@@ -886,7 +910,15 @@ def main(args=None):
     finally:
         if node is not None:
             if node.state in ('unconfigured', 'inactive', 'active'):
-                node.trigger_shutdown()
+                node.trigger_shutdown()  # the hold first; then the open goals end
+            if node.ask_server is not None:
+                # Their results go out only while the executor spins, which the loop above
+                # no longer does. Bounded, so that nothing a client does keeps the process
+                # from exiting (ros2 launch would kill it).
+                left = node.ask_server.close(executor.spin_once, ASK_CLOSE_S)
+                if left:
+                    node.log.warning(f'{left} ~/ask goals still running after '
+                                     f'{ASK_CLOSE_S:g} s: their callers get no result')
             node.destroy_node()
         rclpy.try_shutdown()
         # Python puts the default handlers back while it exits, and a signal then would kill
