@@ -263,7 +263,7 @@ def test_trajectories_are_well_formed(robot):
     # The rate itself is a benchmark's (tools/node_load.py), not a unit test's.
     start = len(robot.traj)
     assert wait_for(lambda: len(robot.traj) >= start + 50, 60), robot.log()[-2000:]
-    for _, m in robot.traj[-50:]:
+    for _, m in robot.traj[start:start + 50]:
         assert m.joint_names == ARM
         assert m.header.stamp.sec == 0 and m.header.stamp.nanosec == 0
         times = [p.time_from_start.sec + p.time_from_start.nanosec * 1e-9 for p in m.points]
