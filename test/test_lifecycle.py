@@ -31,6 +31,7 @@ from test_node import (  # noqa: E402
     JOINTS,
     PARAMS,
     Robot,
+    assert_alive_and_commanding,
     joint_state,
     node_env,
     node_process,
@@ -133,7 +134,7 @@ def test_active_commands_both_groups_and_the_predicted_chunk(user):
     assert user.transition('activate')
     assert user.state() == 'active'
     assert wait_for(lambda: len(user.traj) > 20 and len(user.grip) > 20, 30), user.log()[-3000:]
-    assert user.rate(1.0) > 0.5 * 70
+    resume(user)
     m = user.predicted[-1]
     assert m.joint_names == [f'arm/{j}' for j in ARM] + ['gripper/gripper']
     # The tiny model's 4 actions, 0.1 s apart from the frame stamp.
@@ -166,7 +167,7 @@ def wait_for_hold(user, t, pattern, timeout=5.0):
 
 
 def resume(user):
-    assert wait_for(lambda: user.rate(0.3) > 0.5 * 70, 10), user.log()[-3000:]
+    assert_alive_and_commanding(user, LIFECYCLE)
 
 
 def test_stale_camera_holds(user):

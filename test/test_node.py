@@ -284,10 +284,11 @@ def expect_log(robot, mark, pattern, timeout=5.0):
         f'no log line matching {pattern!r}:\n{log_after(robot, mark)[-3000:]}')
 
 
-def assert_alive_and_commanding(robot):
-    assert keeps_commanding(robot.traj, chunk_messages(PARAMS),
+def assert_alive_and_commanding(robot, params=PARAMS):
+    """`robot` (anything with traj, proc and log) gets new commands from its running node."""
+    assert keeps_commanding(robot.traj, chunk_messages(params),
                             lambda: robot.proc.poll() is None), (
-        f'no longer commanding after the bad input:\n{robot.log()[-3000:]}')
+        f'not commanding:\n{robot.log()[-3000:]}')
 
 
 def test_missing_joint_at_start_is_reported(robot):
