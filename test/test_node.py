@@ -495,10 +495,10 @@ def test_live_decode_k_sets_the_tokens_per_frame(robot):
     """Each frame decodes decode_k tokens of every running request, and a request started by
     a frame gets its first token right after the running ones' first of that frame. With a
     narration every 2nd frame, the request before a new one has 2 * decode_k + 1 tokens when
-    the new one begins. (8 tokens each: for decode_k 2 and 3 the request before that one has
-    ended by then, so no request is refused a row.)"""
+    the new one begins. (Of 8 tokens, max_new_tokens: a request lasts 4 frames at decode_k 2
+    and 3 at decode_k 3, so the one two before has ended and the 2 rows never run out.)"""
     every = 2
-    with live(robot, narration_every_n_frames=every):
+    with live(robot, narration_every_n_frames=every, decode_k=PARAMS['decode_k']):
         for k in (2, 3):
             r = robot.set_param('decode_k', k)
             assert r.successful, r.reason
@@ -515,7 +515,6 @@ def test_live_decode_k_sets_the_tokens_per_frame(robot):
         # The refused values left 3 in effect.
         assert robot.get_param('decode_k') == 3
         expect_from_now(robot, running_before, every * 3 + 1)
-        assert robot.set_param('decode_k', PARAMS['decode_k']).successful
 
 
 def texts(narration):
@@ -539,8 +538,8 @@ def test_live_temperature_samples_then_greedy_again(robot):
         with live(robot, narration_every_n_frames=2, temperature=0.0):
             start = len(robot.narration)
             # The first requests may have begun on the random images from before.
-            assert wait_for(lambda: len(texts(robot.narration[start:])) >= 3, 60)
-            greedy = texts(robot.narration[start:])[2]
+            assert wait_for(lambda: len(texts(robot.narration[start:])) >= 4, 60)
+            greedy = texts(robot.narration[start:])[3]
             expect_from_now(robot, texts, greedy)
             # The tiny model's random logits are peaked (the top two ~39 apart, measured): at
             # 10 the greedy token keeps about a third of the mass, so a sampled 8-token text
