@@ -1,6 +1,6 @@
 """pi05.launch.py under launch_testing: the installed launch file, included as a user's own
 launch file would (robot:=sim sim:=true on the tiny model, namespace lt), starts both nodes;
-trajectories arrive at the control rate, and on shutdown both processes exit cleanly.
+trajectories keep arriving, and on shutdown both processes exit cleanly.
 
 launch_testing's pytest plugin runs this file as one test (the launch_test mark).
 """
@@ -35,9 +35,9 @@ else:
     from ament_index_python.packages import get_package_share_directory
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from test_node import chunk_messages, keeps_commanding
     from trajectory_msgs.msg import JointTrajectory
 
-    RATE = 70.0
     TOPIC = '/lt/fr3_arm_controller/joint_trajectory'
 
     @pytest.mark.launch_test
@@ -62,7 +62,7 @@ else:
 
     class TestTrajectories(unittest.TestCase):
 
-        def test_trajectories_at_the_control_rate(self):
+        def test_trajectories_keep_arriving(self):
             ctx = rclpy.Context()
             rclpy.init(context=ctx)
             node = rclpy.create_node('launch_pi05_listener', context=ctx)
@@ -78,14 +78,15 @@ else:
                 while not stamps and time.monotonic() < end:
                     time.sleep(0.1)
                 self.assertTrue(stamps, f'no trajectory on {TOPIC} in 90 s')
-                start = len(stamps)
-                time.sleep(2.0)
-                n = len(stamps) - start
+                # The node keeps making and playing chunks; the rate is tools/node_load.py's.
+                share = get_package_share_directory('oxygen_ros')
+                sim = yaml.safe_load(open(os.path.join(share, 'config', 'sim.yaml')))
+                commanding = keeps_commanding(stamps, chunk_messages(sim['/**']['ros__parameters']))
             finally:
                 ex.shutdown(timeout_sec=1)
                 node.destroy_node()
                 rclpy.try_shutdown(context=ctx)
-            self.assertGreaterEqual(n, 0.85 * 2 * RATE, f'{n} trajectories in 2 s')
+            self.assertTrue(commanding, f'{len(stamps)} trajectories in all')
 
     @launch_testing.post_shutdown_test()
     class TestShutdown(unittest.TestCase):

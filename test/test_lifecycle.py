@@ -25,14 +25,13 @@ pytest.importorskip('oxygen_ros.msg', reason='oxygen_ros.msg exists only in a co
 
 from lifecycle_msgs.msg import Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
-from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue  # noqa: E402
-from rcl_interfaces.srv import SetParameters  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
 from test_node import (  # noqa: E402
     ARM,
     JOINTS,
     PARAMS,
     Robot,
+    assert_alive_and_commanding,
     joint_state,
     node_env,
     node_process,
@@ -66,7 +65,6 @@ class User(Robot):
                                  self.predicted.append, reliable)
         self.change = node.create_client(ChangeState, '/oxygen_node/change_state')
         self.get = node.create_client(GetState, '/oxygen_node/get_state')
-        self.params = node.create_client(SetParameters, '/oxygen_node/set_parameters')
 
     def _joints(self):
         names = [j for j in JOINTS if j not in self.leave_out]
@@ -77,12 +75,6 @@ class User(Robot):
                       for j in names]
         self.joint_pub.publish(m)
 
-    def call(self, client, request, timeout=60):
-        assert client.wait_for_service(timeout_sec=30), 'service not offered'
-        future = client.call_async(request)
-        assert wait_for(future.done, timeout), 'no answer'
-        return future.result()
-
     def transition(self, label):
         req = ChangeState.Request()
         req.transition = Transition(label=label)
@@ -90,19 +82,6 @@ class User(Robot):
 
     def state(self):
         return self.call(self.get, GetState.Request()).current_state.label
-
-    def set_param(self, name, value):
-        v = ParameterValue()
-        if isinstance(value, bool):
-            v.type, v.bool_value = ParameterType.PARAMETER_BOOL, value
-        elif isinstance(value, int):
-            v.type, v.integer_value = ParameterType.PARAMETER_INTEGER, value
-        elif isinstance(value, float):
-            v.type, v.double_value = ParameterType.PARAMETER_DOUBLE, value
-        else:
-            v.type, v.string_value = ParameterType.PARAMETER_STRING, value
-        req = SetParameters.Request(parameters=[Parameter(name=name, value=v)])
-        return self.call(self.params, req).results[0]
 
 
 @pytest.fixture(scope='module')
@@ -155,7 +134,7 @@ def test_active_commands_both_groups_and_the_predicted_chunk(user):
     assert user.transition('activate')
     assert user.state() == 'active'
     assert wait_for(lambda: len(user.traj) > 20 and len(user.grip) > 20, 30), user.log()[-3000:]
-    assert user.rate(1.0) > 0.5 * 70
+    resume(user)
     m = user.predicted[-1]
     assert m.joint_names == [f'arm/{j}' for j in ARM] + ['gripper/gripper']
     # The tiny model's 4 actions, 0.1 s apart from the frame stamp.
@@ -188,7 +167,7 @@ def wait_for_hold(user, t, pattern, timeout=5.0):
 
 
 def resume(user):
-    assert wait_for(lambda: user.rate(0.3) > 0.5 * 70, 10), user.log()[-3000:]
+    assert_alive_and_commanding(user, LIFECYCLE)
 
 
 def test_stale_camera_holds(user):
