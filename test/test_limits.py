@@ -1,14 +1,19 @@
 """Joint limits without ROS: the clamping and speed limiting of published points against
 hand computations, velocities from the limited points, the hold left exactly where the robot
-is, the margin beyond which the robot holds instead, and the start errors."""
+is, the margin beyond which the robot holds instead, the start errors, and the limits the
+shipped robot files carry."""
 import math
+import pathlib
 
 import numpy as np
 import pytest
+import yaml
 
 from oxygen_ros.contract import Config, StartError
 from oxygen_ros.limits import JointLimits, Limit, describe, parse_limits
 from oxygen_ros.playback import Player, make_chunk
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def one_joint(lower=-1.0, upper=1.0, velocity=2.0, margin=0.1, dim=2):
@@ -245,3 +250,53 @@ def test_an_action_limited_twice_is_an_error():
     with pytest.raises(ValueError, match='action index 3 is limited already as a/x'):
         parse_limits({'joint_limits.a.x.velocity': 1.0, 'joint_limits.b.y.velocity': 1.0},
                      groups)
+
+
+def flat(params, prefix=''):
+    """A params file's nested mappings as ROS flattens them into parameter names."""
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f'{prefix}{k}.'))
+        else:
+            out[f'{prefix}{k}'] = v
+    return out
+
+
+def robot_file(name):
+    return flat(yaml.safe_load((ROOT / 'config' / name).read_text())['/**']['ros__parameters'])
+
+
+def test_shipped_droid_limits_are_franka_and_robotiq():
+    lim = Config.from_values(robot_file('droid.yaml')).limits
+    # franka_description robots/fr3/joint_limits.yaml; robotiq_2f_85_macro.urdf.xacro.
+    np.testing.assert_array_equal(lim.lower, [-2.7437, -1.7837, -2.9007, -3.0421, -2.8065,
+                                              0.5445, -3.0159, 0.0])
+    np.testing.assert_array_equal(lim.upper, [2.7437, 1.7837, 2.9007, -0.1518, 2.8065,
+                                              4.5169, 3.0159, 0.8])
+    np.testing.assert_array_equal(lim.speed, [2.62, 2.62, 2.62, 2.62, 5.26, 4.18, 5.26, 0.5])
+
+
+def test_shipped_aloha_limits_are_the_vx300s():
+    lim = Config.from_values(robot_file('aloha.yaml')).limits
+    # aloha_vx300s.urdf.xacro: pi - 1e-5 for the rolls, degrees for the rest, pi rad/s.
+    rad = math.radians
+    arm_lo = [-math.pi + 1e-5, rad(-106), rad(-101), -math.pi + 1e-5, rad(-107),
+              -math.pi + 1e-5]
+    arm_hi = [math.pi - 1e-5, rad(72), rad(92), math.pi - 1e-5, rad(128), math.pi - 1e-5]
+    for arm in (slice(0, 6), slice(7, 13)):
+        np.testing.assert_allclose(lim.lower[arm], arm_lo, atol=1e-8)
+        np.testing.assert_allclose(lim.upper[arm], arm_hi, atol=1e-8)
+    np.testing.assert_allclose(lim.speed, math.pi, atol=1e-8)
+    # The gripper servo: a speed, no position range.
+    for g in (6, 13):
+        assert lim.lower[g] == -math.inf and lim.upper[g] == math.inf
+
+
+def test_shipped_sim_starts_inside_its_limits():
+    params = robot_file('sim.yaml')
+    lim = Config.from_values(params).limits
+    assert len(lim) == 8
+    q = np.array(params['initial_positions'])
+    assert np.all(q >= lim.lower) and np.all(q <= lim.upper)
+    assert lim.outside(q) == []
