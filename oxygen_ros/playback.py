@@ -160,8 +160,12 @@ class Player:
             raise ValueError('joint limits need the measured positions')
         at = np.asarray(hold_at(), dtype=np.float64)
         # The whole rest of the chunk is judged at once: one target far out of range means
-        # the model does not fit the robot, and none of its chunk should be played.
-        why = self.limits.too_far(positions[:last - first], at)
+        # the model does not fit the robot, and none of its chunk should be played. A chunk
+        # that re-anchors is judged by the target of the step now starting: the rest is an
+        # extension recomputed at each step (DROID velocities integrated from where the arm
+        # is), which runs past a limit whenever the arm moves toward it.
+        judged = positions[:1] if chunk.reanchor is not None else positions[:last - first]
+        why = self.limits.too_far(judged, at)
         if why:
             with self._lock:
                 if self._chunk is chunk:

@@ -162,16 +162,28 @@ def test_hold_stays_exactly_where_the_robot_is():
     assert 'measured at 1.07, above its upper limit 1 by 0.07' in cmd.findings[0].text
 
 
-def test_reanchored_targets_are_limited_too():
-    # Each tick's first point is judged from the measured position the player is given.
-    p = Player(horizon=0.15, limits=one_joint(velocity=1.0))
-    chunk = make_chunk(0.0, 0.1, np.zeros((4, 2)),
-                       reanchor=lambda first, state: np.full((4 - first, 2), state[0] + 1.0))
-    p.play(chunk)
-    cmd = p.tick(0.05, measured=lambda: np.array([0.5, 0.0]),
-                 hold_at=lambda: np.array([0.5, 0.0]))
-    # Re-anchored targets 1.5 (beyond 1 by 0.5: more than the margin 0.2): hold.
-    assert cmd.hold.startswith('joint limits: arm/j target 1.5')
+def test_reanchored_chunks_are_judged_by_the_step_now_starting():
+    # DROID-like: each target is where the arm is plus the velocities integrated so far.
+    def reanchor(first, state):
+        return state + np.cumsum(np.full((4 - first, 2), 0.15), axis=0)
+
+    p = Player(horizon=1.0, limits=one_joint(velocity=1.0))  # margin 0.2
+    p.play(make_chunk(0.0, 0.1, np.zeros((4, 2)), reanchor=reanchor))
+    at = np.array([0.9, 0.0])
+    cmd = p.tick(0.05, measured=lambda: at, hold_at=lambda: at)
+    # The targets 1.05, 1.2, 1.35 run past the limit (the last by more than the margin) only
+    # because the arm moves toward it: clamped, not held. Steps of at most 0.1 from 0.9.
+    assert cmd.hold is None
+    np.testing.assert_allclose(cmd.positions[:, 0], [0.95, 1.0, 1.0])
+    # A step target itself beyond the margin holds.
+    p.play(make_chunk(0.0, 0.1, np.zeros((4, 2)), reanchor=lambda first, state: np.full(
+        (4 - first, 2), state[0] + 0.5)))
+    cmd = p.tick(0.05, measured=lambda: at, hold_at=lambda: at)
+    assert cmd.hold.startswith('joint limits: arm/j target 1.4')
+    # Without re-anchoring the same integrated targets are the plan itself: judged whole.
+    p.play(make_chunk(0.0, 0.1, np.stack([0.9 + np.cumsum(np.full(4, 0.15)),
+                                          np.zeros(4)], 1)))
+    assert p.tick(0.05, hold_at=lambda: at).hold.startswith('joint limits: arm/j target 1.5')
 
 
 ARM = [f'fr3_joint{i}' for i in range(1, 8)]
