@@ -183,13 +183,18 @@ class JointLimits:
                  else np.asarray(measured, dtype=np.float64)[idx])
         raw = pos[:, idx]
         dt = np.diff(times, prepend=0.0)
-        out = np.empty_like(raw)
-        prev = start
-        for k in range(len(raw)):
-            step = speed * dt[k]
-            near = np.where(np.isnan(prev), raw[k], np.clip(raw[k], prev - step, prev + step))
-            out[k] = np.clip(near, lo, hi)
-            prev = out[k]
+        out = np.clip(raw, lo, hi)
+        steps = np.abs(np.diff(np.concatenate([start[None], out]), axis=0))
+        # Clamped points whose steps are all feasible stay as they are (the usual case); else
+        # each step is bounded in turn, as it depends on where the one before ended.
+        if not np.all((steps <= speed * dt[:, None]) | np.isnan(steps)):
+            prev = start
+            for k in range(len(raw)):
+                step = speed * dt[k]
+                near = np.where(np.isnan(prev), raw[k],
+                                np.clip(raw[k], prev - step, prev + step))
+                out[k] = np.clip(near, lo, hi)
+                prev = out[k]
         pos[:, idx] = out
         vel[:, idx] = _velocities(np.concatenate([[0.0], times]),
                                   np.concatenate([start[None], out]))
