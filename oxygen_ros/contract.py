@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from oxygen_ros.frames import Assembler
+from oxygen_ros.limits import JointLimits, parse_limits
 from oxygen_ros.profiles import JointMap, make_profile
 
 QOS_CHOICES = ('sensor_data', 'reliable', 'best_effort')
@@ -55,7 +56,8 @@ class Param:
 
 
 # Every parameter the node reads, in one place. Output groups add
-# outputs.<group>.{topic,joints,indices} for each name in output_groups.
+# outputs.<group>.{topic,joints,indices} for each name in output_groups, and joint limits
+# joint_limits.<group>.<joint>.{lower,upper,velocity} (LIMIT_PARAM) for each joint limited.
 PARAMS = (
     # lifecycle and safety
     Param('autostart', False, 'configure and activate at start instead of waiting for '
@@ -68,6 +70,9 @@ PARAMS = (
           'newer chunk arrived; 0 = all', low=0, live=True),
     Param('max_future_stamp', 0.05, 's; inputs stamped further ahead of the node clock are '
           'rejected', low=0.0),
+    Param('limit_hold_margin', 0.1, 'fraction of a joint\'s range (joint_limits): a target or '
+          'measured position beyond a position limit by more than this holds the robot '
+          'instead of being clamped', low=0.0),
     Param('publish_predicted', False, '~/predicted_trajectory: the whole chunk of each frame'),
     # model and engine
     Param('model', '', "model config ('tiny', 'small', 'pi05' or a YAML path); with a "
@@ -153,6 +158,12 @@ GROUP_PARAMS = (
     Param('indices', None, 'action vector index of each joint', 'int[]', low=0),
 )
 
+# joint_limits.<group>.<joint>.<key>: declared for each one given (a params file's nested
+# joint_limits mapping), checked by parse_limits.
+LIMIT_PARAM = Param('joint_limits.<group>.<joint>.<lower|upper|velocity>', None,
+                    'position limits (rad or m) and largest speed (per s) of a commanded joint',
+                    'float')
+
 BY_NAME = {p.name: p for p in PARAMS}
 
 ENGINE_KEYS = ('model', 'checkpoint', 'normalize', 'conventions', 'asset_id', 'tokenizer',
@@ -192,6 +203,11 @@ def coerce(name: str, value, p: Param):
         if bad:
             raise StartError(f'parameter {name} must be {p.range_text()}, got {x!r}')
     return list(value) if kind.endswith('[]') else value
+
+
+def is_limit(name: str) -> bool:
+    """Whether `name` is (meant as) a joint_limits parameter."""
+    return name == 'joint_limits' or name.startswith('joint_limits.')
 
 
 def prompt_problem(text: str, limit: int) -> str | None:
@@ -252,11 +268,12 @@ class Config:
     action_period: float
     # Per action index, where its measured position is read for a hold: (source, joint).
     hold_sources: dict[int, tuple[str, str]] = field(default_factory=dict)
+    limits: JointLimits | None = None
 
     @classmethod
     def from_values(cls, values: dict) -> Config:
-        """values: {name: value} for PARAMS and outputs.<group>.<key> for GROUP_PARAMS;
-        names left out take their defaults."""
+        """values: {name: value} for PARAMS, outputs.<group>.<key> for GROUP_PARAMS and
+        joint_limits.<group>.<joint>.<key>; names left out take their defaults."""
         p = {q.name: coerce(q.name, values.get(q.name), q) for q in PARAMS}
         groups = []
         for g in p['output_groups']:
@@ -268,7 +285,14 @@ class Config:
         why = prompt_problem(p['prompt'], p['max_prompt_chars'])
         if why:
             raise StartError(f'parameter prompt: {why}')
-        return _contract(p, groups)
+        cfg = _contract(p, groups)
+        try:
+            given = parse_limits({k: v for k, v in values.items() if is_limit(k)}, groups)
+        except ValueError as e:
+            raise StartError(f'parameter {e}') from None
+        if given:  # none given: no limits at all, and the start-up log says so
+            cfg.limits = JointLimits(cfg.profile.action_dim, given, p['limit_hold_margin'])
+        return cfg
 
     @property
     def random_weights(self) -> bool:

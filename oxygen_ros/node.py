@@ -48,14 +48,17 @@ from oxygen_ros.ask import Asks
 from oxygen_ros.contract import (
     BY_NAME,
     GROUP_PARAMS,
+    LIMIT_PARAM,
     PARAMS,
     Config,
     StartError,
     coerce,
     command_line_params,
+    is_limit,
     prompt_problem,
 )
 from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_rgb
+from oxygen_ros.limits import describe as describe_limits
 from oxygen_ros.playback import Command, Player, make_chunk
 
 SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
@@ -162,10 +165,16 @@ class OxygenNode(LifecycleNode):
                 continue  # not a parameter name: Config says so below
             for p in GROUP_PARAMS:
                 values[f'outputs.{g}.{p.name}'] = self._declare(f'outputs.{g}.{p.name}', p)
+        # Joint limits are declared as given (a params file's joint_limits mapping arrives
+        # flattened); Config says what is wrong with them.
+        limits = sorted(n for n in self._parameter_overrides if is_limit(n))
+        for name in limits:
+            values[name] = self._declare(name, LIMIT_PARAM)
         # ROS drops a command-line -p value whose type differs from a params file's, so the
         # command line is checked on its own too.
         table = {p.name: p for p in PARAMS}
         table.update({f'outputs.{g}.{p.name}': p for g in groups for p in GROUP_PARAMS})
+        table.update({name: LIMIT_PARAM for name in limits})
         for name, value in command_line_params(argv, self.get_name()).items():
             if name in table:
                 coerce(name, value, table[name])
@@ -269,7 +278,7 @@ class OxygenNode(LifecycleNode):
         self._narrate_now = False
         self.assembler = cfg.assembler()
         self.player = Player(cfg.p['max_command_horizon'], cfg.p['play_steps'],
-                             hold_after=1.0 / cfg.p['control_rate_hz'])
+                             hold_after=1.0 / cfg.p['control_rate_hz'], limits=cfg.limits)
         # Each source's state joints, and the controllers' joints for a hold at measured
         # positions.
         self._readings = {s: JointReadings(w, [j for src, j in cfg.hold_sources.values()
@@ -412,7 +421,8 @@ class OxygenNode(LifecycleNode):
                                                for g in cfg.groups)
             + f'; control {cfg.p["control_rate_hz"]:g} Hz, actions every '
             f'{cfg.action_period * 1e3:.1f} ms, commands reach at most '
-            f'{cfg.p["max_command_horizon"]:g} s ahead')
+            f'{cfg.p["max_command_horizon"]:g} s ahead; '
+            + describe_limits(cfg.limits, [f'{g.name}/{j}' for g in cfg.groups for j in g.joints]))
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -719,8 +729,8 @@ class OxygenNode(LifecycleNode):
                 out[i] = x
             else:
                 self.reporter.report(f'hold:unmeasured:{src}/{joint}', f'no measured position '
-                                     f'of {joint} on {self.cfg.joint_topics[src]}: holding it '
-                                     'at the last command')
+                                     f'of {joint} on {self.cfg.joint_topics[src]}: the last '
+                                     'command stands in for it')
         return out
 
     def _tick(self):
@@ -746,6 +756,8 @@ class OxygenNode(LifecycleNode):
                     if self._active:
                         self._stats['hold_ticks'] += 1
                 return
+            for f in cmd.findings:
+                self.reporter.report(f'limits:{f.kind}:{f.joint}', f.text)
             try:
                 self._publish(cmd)
             except Exception as e:  # publishing fails once ROS is shutting down
@@ -779,13 +791,14 @@ class OxygenNode(LifecycleNode):
         else:
             self._last_target = cmd.positions[0].copy()
             self._stats['published'] += 1
+            self._stats['clamped_commands'] += int(cmd.clamped)
             self._publishes.append(time.monotonic())
 
     # -- diagnostics -----------------------------------------------------------------------
 
     def _reset_stats(self):
         self._stats = dict(chunks=0, frames=0, published=0, hold_ticks=0, missed_ticks=0,
-                           narration_requests=0, holds=0, rtc_delay=0)
+                           narration_requests=0, holds=0, rtc_delay=0, clamped_commands=0)
         self._hold_reason = ''
         self._ticks = collections.deque(maxlen=2000)  # tick times
         self._gaps = collections.deque(maxlen=2000)
@@ -821,6 +834,7 @@ class OxygenNode(LifecycleNode):
         s['skipped_frames'] = r.count('frame:')
         s['masked_cameras'] = r.count('mask:')
         s['failed_frames'] = r.count('engine:') + r.count('actions:')
+        s['limit_holds'] = r.count('holding:joint limits')
         return s
 
     def _diagnose(self):

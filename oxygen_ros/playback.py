@@ -5,16 +5,20 @@ publishes the actions still ahead, up to `horizon` seconds ahead and, with `play
 only the first n actions of the chunk. When there is nothing left to play (chunk used up,
 inputs stale, model failure, deactivate, shutdown) it says "hold" once: one point at the
 last measured positions with zero velocity, which replaces whatever the controller is
-executing. Plain numpy in and out, so the tests drive it without ROS.
+executing. With joint limits (limits.py) every published point is limited, and a chunk
+whose targets lie too far beyond them is dropped for a hold. Plain numpy in and out, so
+the tests drive it without ROS.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from oxygen_ros.limits import Finding, JointLimits
 
 
 @dataclass
@@ -60,6 +64,12 @@ class Command:
     positions: np.ndarray  # [N, action_dim]; NaN where a hold has no measured position
     velocities: np.ndarray
     hold: str | None = None  # why, when this is a hold
+    findings: list[Finding] = field(default_factory=list)  # what the joint limits did
+
+    @property
+    def clamped(self) -> bool:
+        """Whether the joint limits changed a published target."""
+        return any(f.kind in ('position', 'speed') for f in self.findings)
 
 
 class Player:
@@ -69,15 +79,18 @@ class Player:
     play_steps: play only the first n actions of each chunk, then hold unless a newer
     chunk has arrived (LeRobot's n_action_steps, openpi's open_loop_horizon); 0 = all.
     hold_after: time_from_start of the single hold point (s).
+    limits: joint limits applied to every published point (None: none).
     """
 
-    def __init__(self, horizon: float, play_steps: int = 0, hold_after: float = 0.01):
+    def __init__(self, horizon: float, play_steps: int = 0, hold_after: float = 0.01,
+                 limits: JointLimits | None = None):
         if horizon <= 0 or play_steps < 0 or hold_after <= 0:
             raise ValueError(f'horizon and hold_after must be > 0 and play_steps >= 0, got '
                              f'{horizon}, {hold_after}, {play_steps}')
         self.horizon = horizon
         self.play_steps = play_steps
         self.hold_after = hold_after
+        self.limits = limits
         self._chunk: Chunk | None = None
         self._hold: str | None = None  # a hold still to be published, and why
         # (chunk, first action, targets, velocities) of the last re-anchoring.
@@ -108,7 +121,8 @@ class Player:
         """What to publish at `now`: the chunk's points still ahead, a hold, or None.
 
         measured: gives the latest raw robot state, for chunks that re-anchor on it.
-        hold_at: gives [action_dim] positions to hold at (the last measured ones).
+        hold_at: gives [action_dim] positions to hold at (the last measured ones); with
+        limits, also where the first published point is reached from.
         Both are called only when needed.
         """
         with self._lock:
@@ -127,10 +141,7 @@ class Player:
                 why, self._hold = self._hold, None
                 if why is None:
                     return None
-                if hold_at is None:
-                    raise ValueError('a hold needs the positions to hold at')
-                pos = np.asarray(hold_at(), dtype=np.float64)[None]
-                return Command(np.array([self.hold_after]), pos, np.zeros_like(pos), hold=why)
+                return self._hold_command(why, hold_at)
         times = chunk.stamp + chunk.period * np.arange(first, last) - now
         n = int(np.searchsorted(times, self.horizon, side='right'))
         if n == 0:
@@ -140,10 +151,37 @@ class Player:
         positions, vel = chunk.positions[first:], chunk.velocities[first:]
         if chunk.reanchor is not None and measured is not None:
             positions, vel = self._anchored(chunk, first, measured, positions, vel)
-        vel = vel[:n].copy()
-        # The last published point must be at rest, as the controller requires.
-        vel[-1] = 0.0
-        return Command(times[:n], positions[:n], vel)
+        if self.limits is None:
+            vel = vel[:n].copy()
+            # The last published point must be at rest, as the controller requires.
+            vel[-1] = 0.0
+            return Command(times[:n], positions[:n], vel)
+        if hold_at is None:
+            raise ValueError('joint limits need the measured positions')
+        at = np.asarray(hold_at(), dtype=np.float64)
+        # The whole rest of the chunk is judged at once: one target far out of range means
+        # the model does not fit the robot, and none of its chunk should be played. A chunk
+        # that re-anchors is judged by the target of the step now starting: the rest is an
+        # extension recomputed at each step (DROID velocities integrated from where the arm
+        # is), which runs past a limit whenever the arm moves toward it.
+        judged = positions[:1] if chunk.reanchor is not None else positions[:last - first]
+        why = self.limits.too_far(judged, at)
+        if why:
+            with self._lock:
+                if self._chunk is chunk:
+                    self._chunk = None
+            return self._hold_command(why, lambda: at)
+        out = self.limits.apply(times[:n], positions[:n], vel[:n], at)
+        return Command(times[:n], out.positions, out.velocities, findings=out.findings)
+
+    def _hold_command(self, why: str, hold_at) -> Command:
+        if hold_at is None:
+            raise ValueError('a hold needs the positions to hold at')
+        pos = np.asarray(hold_at(), dtype=np.float64)
+        # Exactly where the robot is, even beyond a limit: a hold must not move it (said instead).
+        seen = self.limits.outside(pos) if self.limits is not None else []
+        return Command(np.array([self.hold_after]), pos[None], np.zeros((1, len(pos))),
+                       hold=why, findings=seen)
 
     def _anchored(self, chunk, first, measured, positions, vel):
         """Targets re-anchored on the state measured when action `first` became the next

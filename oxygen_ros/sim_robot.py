@@ -2,9 +2,10 @@
 it is sent, and logs how often they arrive and what the narration says.
 
 It reads the same robot parameters as oxygen_node (cameras, camera_topics, joint_topics,
-joint_sources, joints, output_groups, outputs.*), so one YAML describes both sides. Action
-index i moves state joint i, which holds for the built-in profiles (their state and action
-vectors share a layout).
+joint_sources, joints, output_groups, outputs.*, joint_limits), so one YAML describes both
+sides. Action index i moves state joint i, which holds for the built-in profiles (their
+state and action vectors share a layout). Its joints obey the joint limits: they stop at a
+position limit and move no faster than the speed limit, as a real arm's would.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import collections
 import signal
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import rclpy
@@ -23,6 +25,9 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory
+
+from oxygen_ros.contract import is_limit
+from oxygen_ros.limits import parse_limits
 
 PARAMS = {
     'cameras': ([], 'camera names'),
@@ -94,12 +99,24 @@ class SimRobot(Node):
         self.received = collections.Counter()
         self.gaps = collections.defaultdict(list)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        named = []
         for g in p['output_groups']:
             topic = self._group_param(g, 'topic', '')
             indices = list(self._group_param(g, 'indices', None) or [])
+            joints = list(self._group_param(g, 'joints', None) or [])
+            named.append(SimpleNamespace(name=g, joints=joints, indices=indices))
             self.groups[g] = dict(indices=indices, times=None, pos=None, start=0.0, last=None)
             self.create_subscription(JointTrajectory, topic,
                                      lambda m, g=g: self._on_trajectory(g, m), reliable)
+        self.lower, self.upper, self.speed = (np.full(len(self.joints), x)
+                                              for x in (-np.inf, np.inf, np.inf))
+        for i, (name, lim) in parse_limits(self._limit_params(), named).items():
+            if i >= len(self.joints):
+                raise ValueError(f'joint_limits.{name.replace("/", ".")}: action index {i} '
+                                 f'moves no joint of the {len(self.joints)} simulated')
+            self.lower[i], self.upper[i], self.speed[i] = lim.lower, lim.upper, lim.velocity
+        if p['max_joint_speed'] > 0:
+            self.speed = np.minimum(self.speed, p['max_joint_speed'])
         self.create_subscription(String, p['narration_topic'], self._on_narration,
                                  QoSProfile(depth=50, reliability=ReliabilityPolicy.RELIABLE))
 
@@ -117,6 +134,12 @@ class SimRobot(Node):
         name = f'outputs.{group}.{key}'
         self.declare_parameter(name, default, ParameterDescriptor(dynamic_typing=True))
         return self.get_parameter(name).value
+
+    def _limit_params(self) -> dict:
+        names = [n for n in self._parameter_overrides if is_limit(n)]
+        for n in names:
+            self.declare_parameter(n, None, ParameterDescriptor(dynamic_typing=True))
+        return {n: self.get_parameter(n).value for n in names}
 
     def _on_trajectory(self, g, msg):
         now = time.monotonic()
@@ -153,8 +176,8 @@ class SimRobot(Node):
         for st in self.groups.values():
             if st['times'] is not None:
                 self.target[st['indices']] = self._targets(st, now)
-        self.q = follow(self.q, self.target, dt, self.p['follow_time_s'],
-                        self.p['max_joint_speed'])
+        self.q = follow(self.q, self.target, dt, self.p['follow_time_s'], self.speed,
+                        self.lower, self.upper)
         stamp = self.get_clock().now().to_msg()
         for src, pub in self.joint_pubs.items():
             msg = JointState()
@@ -198,13 +221,13 @@ class SimRobot(Node):
         self.get_logger().info('trajectories received: ' + ', '.join(parts))
 
 
-def follow(q, target, dt, time_constant, max_speed):
+def follow(q, target, dt, time_constant, max_speed, lower=-np.inf, upper=np.inf):
     """The joints after dt s of moving toward their targets: first order with
-    time_constant, and no faster than max_speed per second (0: no limit)."""
+    time_constant, no faster than max_speed per second (per joint or one for all; 0 or inf:
+    no limit), and never beyond [lower, upper]."""
     step = (target - q) * min(1.0, dt / max(time_constant, 1e-3))
-    if max_speed > 0:
-        step = np.clip(step, -max_speed * dt, max_speed * dt)
-    return q + step
+    limit = np.where(np.asarray(max_speed) > 0, max_speed, np.inf) * dt
+    return np.clip(q + np.clip(step, -limit, limit), lower, upper)
 
 
 def _encode(rgb: np.ndarray, encoding: str) -> np.ndarray:

@@ -30,6 +30,11 @@ def test_follow_by_hand():
     np.testing.assert_allclose(follow(q, target, 0.01, 0.05, 3.0), [0.03, 0.97])
     # Below the limit the limit changes nothing.
     np.testing.assert_allclose(follow(q, target, 0.01, 0.05, 100.0), [0.2, 0.6])
+    # Joint limits: a speed per joint (inf: none), and never past [lower, upper].
+    np.testing.assert_allclose(follow(q, target, 0.01, 0.05, np.array([np.inf, 3.0])),
+                               [0.2, 0.97])
+    np.testing.assert_allclose(follow(q, target, 0.2, 0.05, 0.0, np.array([-1.0, 0.5]),
+                                      np.array([0.4, 2.0])), [0.4, 0.5])
 
 
 def env_for(domain):
@@ -57,13 +62,12 @@ def test_negative_speed_ends_with_one_line():
     assert 'Traceback' not in out.stderr
 
 
-def test_speed_limited_arm_lags_behind_its_target(tmp_path):
-    """A trajectory to +-10 units within 10 ms: the arm limited to 0.5 units/s moves no
-    faster than that between any two joint states it publishes (by their stamps, the sim's
-    step times), keeps moving, and is far from the target a second later."""
+def run_to(tmp_path, target, *params):
+    """The sim with `params` sent a trajectory to `target` within 10 ms: the (stamp,
+    positions) of the joint states it publishes over the next second."""
     domain = str(random.randint(120, 220))
     log = open(tmp_path / 'sim.log', 'w')
-    proc = subprocess.Popen(sim_args('max_joint_speed:=0.5'), stdout=log,
+    proc = subprocess.Popen(sim_args(*params), stdout=log,
                             stderr=subprocess.STDOUT, env=env_for(domain))
     os.environ['ROS_DOMAIN_ID'] = domain
     context = rclpy.Context()
@@ -86,7 +90,7 @@ def test_speed_limited_arm_lags_behind_its_target(tmp_path):
             time.sleep(0.05)
         assert states, (tmp_path / 'sim.log').read_text()
         msg = JointTrajectory(joint_names=['a', 'b'])
-        msg.points = [JointTrajectoryPoint(positions=[10.0, -10.0])]
+        msg.points = [JointTrajectoryPoint(positions=target)]
         msg.points[0].time_from_start.nanosec = 10_000_000
         pub.publish(msg)
         time.sleep(1.0)
@@ -100,9 +104,15 @@ def test_speed_limited_arm_lags_behind_its_target(tmp_path):
         rclpy.try_shutdown(context=context)
         proc.wait(timeout=20)
         log.close()
-    stamps = np.array([t for t, _ in got])
-    q = np.array([p for _, p in got])
     assert len(got) > 20
+    return np.array([t for t, _ in got]), np.array([p for _, p in got])
+
+
+def test_speed_limited_arm_lags_behind_its_target(tmp_path):
+    """A trajectory to +-10 units within 10 ms: the arm limited to 0.5 units/s moves no
+    faster than that between any two joint states it publishes (by their stamps, the sim's
+    step times), keeps moving, and is far from the target a second later."""
+    stamps, q = run_to(tmp_path, [10.0, -10.0], 'max_joint_speed:=0.5')
     # The stamps are taken a moment after the step's own clock reading: allow 10 ms of that.
     slack = 0.5 * 0.01
     moved = np.abs(np.diff(q, axis=0))
@@ -110,3 +120,15 @@ def test_speed_limited_arm_lags_behind_its_target(tmp_path):
     assert np.all(np.abs(q[-1] - q[0]) <= 0.5 * (stamps[-1] - stamps[0]) + slack)
     assert q[-1, 0] > 0.1 and q[-1, 1] < -0.1  # moving toward the targets
     assert q[-1, 0] < 5.0 and q[-1, 1] > -5.0  # and far behind them
+
+
+def test_joints_obey_their_limits(tmp_path):
+    """joint_limits as in a robot file: joint a stops at its upper limit 0.3, joint b moves
+    no faster than 0.5/s toward a target below its range."""
+    stamps, q = run_to(tmp_path, [10.0, -10.0], 'outputs.arm.joints:=[a, b]',
+                       'joint_limits.arm.a.lower:=-1.0', 'joint_limits.arm.a.upper:=0.3',
+                       'joint_limits.arm.b.velocity:=0.5')
+    assert q[:, 0].max() == pytest.approx(0.3) and q[-1, 0] == pytest.approx(0.3)
+    moved = np.abs(np.diff(q[:, 1]))
+    assert np.all(moved <= 0.5 * np.diff(stamps) + 0.005), moved.max()
+    assert -0.7 < q[-1, 1] < -0.1

@@ -1,0 +1,314 @@
+"""Joint limits without ROS: the clamping and speed limiting of published points against
+hand computations, velocities from the limited points, the hold left exactly where the robot
+is, the margin beyond which the robot holds instead, the start errors, and the limits the
+shipped robot files carry."""
+import math
+import pathlib
+
+import numpy as np
+import pytest
+import yaml
+
+from oxygen_ros.contract import Config, StartError
+from oxygen_ros.limits import JointLimits, Limit, describe, parse_limits
+from oxygen_ros.playback import Player, make_chunk
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def one_joint(lower=-1.0, upper=1.0, velocity=2.0, margin=0.1, dim=2):
+    # Action 0 limited, action 1 free.
+    return JointLimits(dim, {0: ('arm/j', Limit(lower, upper, velocity))}, margin)
+
+
+def test_clamp_and_speed_by_hand():
+    lim = one_joint()
+    times = np.array([0.1, 0.2, 0.3])
+    raw = np.array([[1.5, 7.0], [0.2, 8.0], [-0.9, 9.0]])
+    vel = np.array([[5.0, 10.0], [5.0, 10.0], [5.0, 10.0]])
+    out = lim.apply(times, raw, vel, measured=np.array([0.9, 6.0]))
+    # Steps of at most 2/s * 0.1 s = 0.2 from the point before, the first from 0.9, then
+    # into [-1, 1]: 0.9 -> min(1.1, 1.5) = 1.1 -> 1.0; 1.0 -> max(0.8, 0.2) = 0.8;
+    # 0.8 -> max(0.6, -0.9) = 0.6.
+    np.testing.assert_allclose(out.positions[:, 0], [1.0, 0.8, 0.6])
+    # Slopes from the measured 0.9: +1, -2, -2 per s. A turn at the first point (0), -2
+    # where both neighbours agree, at rest at the end.
+    np.testing.assert_allclose(out.velocities[:, 0], [0.0, -2.0, 0.0])
+    # The free joint is untouched, but ends at rest.
+    np.testing.assert_array_equal(out.positions[:, 1], [7.0, 8.0, 9.0])
+    np.testing.assert_array_equal(out.velocities[:, 1], [10.0, 10.0, 0.0])
+    found = {f.kind: f for f in out.findings}
+    assert set(found) == {'position', 'speed'}
+    # 1.5 lies 0.5 above the range; speed held -0.9 back to 0.6, by 1.5.
+    assert found['position'].amount == pytest.approx(0.5)
+    assert found['speed'].amount == pytest.approx(1.5)
+    assert found['position'].joint == 'arm/j'
+    assert 'arm/j target 1.5, above its upper limit 1 by 0.5' in found['position'].text
+    assert 'faster than 2/s; held back by up to 1.5' in found['speed'].text
+
+
+def test_feasible_points_pass_unchanged():
+    lim = one_joint()
+    times = np.array([0.05, 0.15, 0.25])
+    raw = np.array([[0.1, 0.0], [0.25, 0.0], [0.3, 0.0]])
+    out = lim.apply(times, raw, np.zeros((3, 2)), measured=np.array([0.0, 0.0]))
+    np.testing.assert_array_equal(out.positions, raw)
+    assert out.findings == []
+    # Slopes 2, 1.5, 0.5: the smaller neighbour each time, at rest at the end.
+    np.testing.assert_allclose(out.velocities[:, 0], [1.5, 0.5, 0.0])
+
+
+def test_random_commands_are_in_range_and_speed_feasible():
+    # Checked against the definition, not the code: every point in [lower, upper], every
+    # step (the first from the measured position) no faster than the speed, velocities no
+    # faster either, the last at rest.
+    rng = np.random.default_rng(0)
+    lo, hi, v = np.array([-1.0, 0.0, -0.5]), np.array([1.0, 0.5, 2.0]), np.array([1.0, 0.3, 5])
+    lim = JointLimits(3, {i: (f'g/j{i}', Limit(lo[i], hi[i], v[i])) for i in range(3)}, 0.1)
+    for _ in range(200):
+        n = int(rng.integers(1, 8))
+        times = np.cumsum(rng.uniform(0.005, 0.1, n))
+        raw = rng.uniform(-3, 3, (n, 3))
+        measured = rng.uniform(lo, hi)
+        out = lim.apply(times, raw, rng.normal(size=(n, 3)), measured)
+        p = out.positions
+        assert np.all(p >= lo) and np.all(p <= hi)
+        steps = np.abs(np.diff(np.vstack([measured, p]), axis=0))
+        assert np.all(steps <= v * np.diff(times, prepend=0.0)[:, None] + 1e-12)
+        assert np.all(np.abs(out.velocities) <= v + 1e-12)
+        assert np.all(out.velocities[-1] == 0)
+
+
+def test_measured_beyond_a_limit_goes_to_the_limit_and_is_said():
+    lim = one_joint(velocity=math.inf)
+    out = lim.apply(np.array([0.1]), np.array([[1.3, 0.0]]), np.zeros((1, 2)),
+                    measured=np.array([1.05, 0.0]))
+    assert out.positions[0, 0] == 1.0
+    measured = [f for f in out.findings if f.kind == 'measured']
+    assert len(measured) == 1 and measured[0].amount == pytest.approx(0.05)
+    assert 'arm/j measured at 1.05, above its upper limit 1 by 0.05' in measured[0].text
+
+
+def test_unknown_start_only_clamps_the_first_point():
+    lim = one_joint()
+    out = lim.apply(np.array([0.1, 0.2]), np.array([[0.9, 0.0], [-0.5, 0.0]]),
+                    np.zeros((2, 2)), measured=np.array([np.nan, 0.0]))
+    # 0.9 stands (nothing to step from); then at most 0.2 below it.
+    np.testing.assert_allclose(out.positions[:, 0], [0.9, 0.7])
+    np.testing.assert_allclose(out.velocities[:, 0], [0.0, 0.0])
+
+
+def test_hold_margin_is_a_fraction_of_the_range():
+    lim = one_joint(margin=0.1)  # range 2: margin 0.2
+    assert lim.too_far(np.array([[1.19, 50.0]]), np.array([0.0, 0.0])) is None
+    why = lim.too_far(np.array([[0.0, 0.0], [-1.25, 0.0]]), np.array([0.0, 0.0]))
+    assert why.startswith('joint limits: arm/j target -1.25, below its lower limit -1 by '
+                          '0.25, more than the hold margin 0.2 (0.1 of its range)')
+    why = lim.too_far(np.array([[0.0, 0.0]]), np.array([1.3, 0.0]))
+    assert 'arm/j measured position 1.3, above its upper limit 1 by 0.3' in why
+    assert lim.too_far(np.array([[0.0, 0.0]]), np.array([np.nan, 0.0])) is None
+    # A joint with only a speed limit has no range to be beyond.
+    free = JointLimits(1, {0: ('g/spin', Limit(velocity=1.0))}, 0.0)
+    assert free.too_far(np.array([[1e6]]), np.array([0.0])) is None
+
+
+def ramp_chunk(values, period=0.1, stamp=0.0):
+    v = np.asarray(values, dtype=float)
+    return make_chunk(stamp, period, np.stack([v, np.zeros_like(v)], 1))
+
+
+def test_player_publishes_limited_points():
+    p = Player(horizon=1.0, limits=one_joint())
+    p.play(ramp_chunk([0.0, 0.5, 1.1, 1.15, 1.1]))  # 0.15 beyond at most: clamped
+    cmd = p.tick(0.05, hold_at=lambda: np.array([0.0, 0.0]))
+    # Actions 1.. at 0.05, 0.15, 0.25, 0.35 s from now; from 0: min(0.1, 0.5) = 0.1, then
+    # +0.2 per 0.1 s: 0.3, 0.5, 0.7.
+    np.testing.assert_allclose(cmd.times, [0.05, 0.15, 0.25, 0.35])
+    np.testing.assert_allclose(cmd.positions[:, 0], [0.1, 0.3, 0.5, 0.7])
+    np.testing.assert_allclose(cmd.velocities[:, 0], [2.0, 2.0, 2.0, 0.0])
+    assert cmd.hold is None and cmd.clamped
+    assert {f.kind for f in cmd.findings} == {'position', 'speed'}
+
+
+def test_player_holds_instead_when_a_target_is_far_beyond():
+    p = Player(horizon=0.2, limits=one_joint(margin=0.1))
+    # The last action, beyond the horizon, is 0.3 above the range: more than 0.2.
+    p.play(ramp_chunk([0.0, 0.1, 0.2, 0.3, 1.3]))
+    cmd = p.tick(0.05, hold_at=lambda: np.array([0.2, -4.0]))
+    assert cmd.hold.startswith('joint limits: arm/j target 1.3')
+    np.testing.assert_array_equal(cmd.positions, [[0.2, -4.0]])
+    np.testing.assert_array_equal(cmd.velocities, [[0.0, 0.0]])
+    assert p.chunk is None
+    assert p.tick(0.06, hold_at=lambda: np.array([0.2, -4.0])) is None  # said once
+    p.play(ramp_chunk([0.0, 0.1, 0.2], stamp=0.1))  # a chunk that fits plays again
+    assert p.tick(0.15, hold_at=lambda: np.array([0.0, 0.0])).hold is None
+
+
+def test_play_steps_bound_what_is_judged():
+    p = Player(horizon=0.2, play_steps=3, limits=one_joint(margin=0.1))
+    p.play(ramp_chunk([0.0, 0.1, 0.2, 5.0]))  # action 3 is never played
+    assert p.tick(0.05, hold_at=lambda: np.array([0.0, 0.0])).hold is None
+
+
+def test_hold_stays_exactly_where_the_robot_is():
+    p = Player(horizon=1.0, hold_after=0.02, limits=one_joint())
+    p.play(ramp_chunk([0.0, 0.5]))
+    assert p.stop('deactivated')
+    cmd = p.tick(0.0, hold_at=lambda: np.array([1.07, 3.0]))
+    assert cmd.hold == 'deactivated'
+    np.testing.assert_array_equal(cmd.positions, [[1.07, 3.0]])  # not moved into range
+    assert not cmd.clamped
+    assert [f.kind for f in cmd.findings] == ['measured']
+    assert 'measured at 1.07, above its upper limit 1 by 0.07' in cmd.findings[0].text
+
+
+def test_reanchored_chunks_are_judged_by_the_step_now_starting():
+    # DROID-like: each target is where the arm is plus the velocities integrated so far.
+    def reanchor(first, state):
+        return state + np.cumsum(np.full((4 - first, 2), 0.15), axis=0)
+
+    p = Player(horizon=1.0, limits=one_joint(velocity=1.0))  # margin 0.2
+    p.play(make_chunk(0.0, 0.1, np.zeros((4, 2)), reanchor=reanchor))
+    at = np.array([0.9, 0.0])
+    cmd = p.tick(0.05, measured=lambda: at, hold_at=lambda: at)
+    # The targets 1.05, 1.2, 1.35 run past the limit (the last by more than the margin) only
+    # because the arm moves toward it: clamped, not held. Steps of at most 0.1 from 0.9.
+    assert cmd.hold is None
+    np.testing.assert_allclose(cmd.positions[:, 0], [0.95, 1.0, 1.0])
+    # A step target itself beyond the margin holds.
+    p.play(make_chunk(0.0, 0.1, np.zeros((4, 2)), reanchor=lambda first, state: np.full(
+        (4 - first, 2), state[0] + 0.5)))
+    cmd = p.tick(0.05, measured=lambda: at, hold_at=lambda: at)
+    assert cmd.hold.startswith('joint limits: arm/j target 1.4')
+    # Without re-anchoring the same integrated targets are the plan itself: judged whole.
+    p.play(make_chunk(0.0, 0.1, np.stack([0.9 + np.cumsum(np.full(4, 0.15)),
+                                          np.zeros(4)], 1)))
+    assert p.tick(0.05, hold_at=lambda: at).hold.startswith('joint limits: arm/j target 1.5')
+
+
+ARM = [f'fr3_joint{i}' for i in range(1, 8)]
+DROID = {
+    'robot': 'droid', 'profile_options': '{velocity: true}',
+    'cameras': ['front'], 'camera_slots': ['base_0_rgb'],
+    'joints': ARM + ['gripper'], 'action_rate_hz': 10.0, 'output_groups': ['arm', 'gripper'],
+    'outputs.arm.topic': 'arm/joint_trajectory', 'outputs.arm.joints': ARM,
+    'outputs.arm.indices': list(range(7)),
+    'outputs.gripper.topic': 'gripper/joint_trajectory', 'outputs.gripper.joints': ['gripper'],
+    'outputs.gripper.indices': [7],
+}
+
+
+def test_no_limits_given_means_none():
+    c = Config.from_values(DROID)
+    assert c.limits is None
+    assert describe(None, ARM) == ('joint limits: none (commanded positions and speeds are '
+                                   'not bounded)')
+
+
+def test_limits_from_parameters():
+    c = Config.from_values({**DROID, 'limit_hold_margin': 0.25,
+                            'joint_limits.arm.fr3_joint2.lower': -1,
+                            'joint_limits.arm.fr3_joint2.upper': 1.5,
+                            'joint_limits.arm.fr3_joint2.velocity': 2,
+                            'joint_limits.gripper.gripper.velocity': 0.5})
+    lim = c.limits
+    assert (lim.lower[1], lim.upper[1], lim.speed[1]) == (-1.0, 1.5, 2.0)
+    assert lim.speed[7] == 0.5 and lim.lower[7] == -math.inf
+    assert lim.margin[1] == pytest.approx(0.625)
+    assert list(lim.index) == [1, 7]
+    names = [f'arm/{j}' for j in ARM] + ['gripper/gripper']
+    assert describe(lim, names) == (
+        'joint limits on 2 of 8 joints (a target beyond a limit by more than 0.25 of its '
+        'range holds); none on arm/fr3_joint1, arm/fr3_joint3, arm/fr3_joint4, arm/fr3_joint5, '
+        'arm/fr3_joint6, arm/fr3_joint7')
+
+
+@pytest.mark.parametrize('given, message', [
+    ({'joint_limits.hand.fr3_joint1.lower': 0.0},
+     "joint_limits.hand.fr3_joint1.lower: 'hand' is not an output group"),
+    ({'joint_limits.arm.gripper.velocity': 1.0},
+     "joint_limits.arm.gripper.velocity: arm does not command 'gripper'"),
+    ({'joint_limits.arm.fr3_joint1.lower': 1.0, 'joint_limits.arm.fr3_joint1.upper': 1.0},
+     'joint_limits.arm.fr3_joint1: lower 1 must be below upper 1'),
+    ({'joint_limits.arm.fr3_joint1.lower': 2.0, 'joint_limits.arm.fr3_joint1.upper': 1.0},
+     'joint_limits.arm.fr3_joint1: lower 2 must be below upper 1'),
+    ({'joint_limits.arm.fr3_joint1.velocity': 0.0},
+     'joint_limits.arm.fr3_joint1.velocity must be > 0, got 0'),
+    ({'joint_limits.arm.fr3_joint1.velocity': -2.0},
+     'joint_limits.arm.fr3_joint1.velocity must be > 0, got -2'),
+    ({'joint_limits.arm.fr3_joint1.upper': math.inf, 'joint_limits.arm.fr3_joint1.lower': 0.0},
+     'joint_limits.arm.fr3_joint1.upper must be finite, got inf'),
+    ({'joint_limits.arm.fr3_joint1.velocity': math.nan},
+     'joint_limits.arm.fr3_joint1.velocity must be finite, got nan'),
+    ({'joint_limits.arm.fr3_joint1.lower': -1.0},
+     'joint_limits.arm.fr3_joint1: lower and upper go together'),
+    ({'joint_limits.arm.fr3_joint1.lowr': -1.0},
+     r'joint_limits.arm.fr3_joint1.lowr: expected joint_limits.<group>.<joint>.lower'),
+    ({'joint_limits.arm.fr3_joint1': [-1.0, 1.0]},
+     r'joint_limits.arm.fr3_joint1: expected joint_limits.<group>.<joint>.lower'),
+    ({'joint_limits': '{arm: {}}'}, r'joint_limits: expected joint_limits.<group>'),
+    ({'joint_limits.arm.fr3_joint1.velocity': 'fast'},
+     "joint_limits.arm.fr3_joint1.velocity must be a number, got 'fast'"),
+    ({'limit_hold_margin': -0.1}, 'parameter limit_hold_margin must be >= 0'),
+])
+def test_limit_mistakes_are_start_errors(given, message):
+    with pytest.raises(StartError, match=message.replace('(', r'\(').replace(')', r'\)')):
+        Config.from_values({**DROID, **given})
+
+
+def test_an_action_limited_twice_is_an_error():
+    groups = [type('G', (), dict(name='a', joints=['x'], indices=[3]))(),
+              type('G', (), dict(name='b', joints=['y'], indices=[3]))()]
+    with pytest.raises(ValueError, match='action index 3 is limited already as a/x'):
+        parse_limits({'joint_limits.a.x.velocity': 1.0, 'joint_limits.b.y.velocity': 1.0},
+                     groups)
+
+
+def flat(params, prefix=''):
+    """A params file's nested mappings as ROS flattens them into parameter names."""
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f'{prefix}{k}.'))
+        else:
+            out[f'{prefix}{k}'] = v
+    return out
+
+
+def robot_file(name):
+    return flat(yaml.safe_load((ROOT / 'config' / name).read_text())['/**']['ros__parameters'])
+
+
+def test_shipped_droid_limits_are_franka_and_robotiq():
+    lim = Config.from_values(robot_file('droid.yaml')).limits
+    # franka_description robots/fr3/joint_limits.yaml; robotiq_2f_85_macro.urdf.xacro.
+    np.testing.assert_array_equal(lim.lower, [-2.7437, -1.7837, -2.9007, -3.0421, -2.8065,
+                                              0.5445, -3.0159, 0.0])
+    np.testing.assert_array_equal(lim.upper, [2.7437, 1.7837, 2.9007, -0.1518, 2.8065,
+                                              4.5169, 3.0159, 0.8])
+    np.testing.assert_array_equal(lim.speed, [2.62, 2.62, 2.62, 2.62, 5.26, 4.18, 5.26, 0.5])
+
+
+def test_shipped_aloha_limits_are_the_vx300s():
+    lim = Config.from_values(robot_file('aloha.yaml')).limits
+    # aloha_vx300s.urdf.xacro: pi - 1e-5 for the rolls, degrees for the rest, pi rad/s.
+    rad = math.radians
+    arm_lo = [-math.pi + 1e-5, rad(-106), rad(-101), -math.pi + 1e-5, rad(-107),
+              -math.pi + 1e-5]
+    arm_hi = [math.pi - 1e-5, rad(72), rad(92), math.pi - 1e-5, rad(128), math.pi - 1e-5]
+    for arm in (slice(0, 6), slice(7, 13)):
+        np.testing.assert_allclose(lim.lower[arm], arm_lo, atol=1e-8)
+        np.testing.assert_allclose(lim.upper[arm], arm_hi, atol=1e-8)
+    np.testing.assert_allclose(lim.speed, math.pi, atol=1e-8)
+    # The gripper servo: a speed, no position range.
+    for g in (6, 13):
+        assert lim.lower[g] == -math.inf and lim.upper[g] == math.inf
+
+
+def test_shipped_sim_starts_inside_its_limits():
+    params = robot_file('sim.yaml')
+    lim = Config.from_values(params).limits
+    assert len(lim) == 8
+    q = np.array(params['initial_positions'])
+    assert np.all(q >= lim.lower) and np.all(q <= lim.upper)
+    assert lim.outside(q) == []

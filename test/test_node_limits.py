@@ -1,0 +1,86 @@
+"""Joint limits over rclpy: oxygen_node (its own process, the tiny random model) with limits
+far narrower than what the model commands publishes only points inside them, reachable at
+the joint's speed from the measured position and from each other, accepted by the
+independent joint_trajectory_controller checker, and reports the clamping."""
+import math
+import pathlib
+import random
+import sys
+import time
+
+import pytest
+
+pytest.importorskip('rclpy')
+pytest.importorskip('oxygen_ros.msg', reason='oxygen_ros.msg exists only in a colcon build '
+                    '(make test)')
+
+from test_node import ARM, PARAMS, Robot, node_process, wait_for  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'tools'))
+from node_load import jtc_problems  # noqa: E402
+
+# The fake robot measures arm joint i at 0.1 * i and never moves. The DROID velocity profile
+# commands q + 0.2 v per action, so a range of +-0.001 around the measured position and
+# 0.005/s are left by nearly any action of a random model: clamping is all but certain.
+SPEED = 0.005
+LIMITS = {j: {'lower': 0.1 * i - 0.001, 'upper': 0.1 * i + 0.001, 'velocity': SPEED}
+          for i, j in enumerate(ARM)}
+
+
+def seconds(d):
+    return d.sec + d.nanosec * 1e-9
+
+
+@pytest.fixture(scope='module')
+def robot(tmp_path_factory):
+    domain = str(random.randint(120, 220))
+    # A margin of 1000 ranges (2 units) keeps every chunk clamped instead of held.
+    params = dict(PARAMS, joint_limits={'arm': LIMITS}, limit_hold_margin=1000.0)
+
+    def make(node):
+        r = Robot(node)
+        r.leave_out = set()
+        return r
+
+    with node_process(tmp_path_factory.mktemp('limits'), params, domain, 'limits_robot', make,
+                      '-r', 'front/image:=/remapped/front') as (proc, r):
+        r.proc = proc
+        assert wait_for(lambda: len(r.traj) > 20 or proc.poll() is not None, 60), r.log()
+        assert proc.poll() is None, r.log()
+        yield r
+
+
+def test_start_up_log_says_which_joints_are_limited(robot):
+    assert 'joint limits on 7 of 8 joints' in robot.log()
+    assert 'none on gripper/gripper' in robot.log()
+
+
+def test_only_in_limit_speed_feasible_points_are_published(robot):
+    time.sleep(1.5)
+    msgs = [m for _, m in list(robot.traj)]
+    assert len(msgs) > 50
+    moving = 0
+    for m in msgs:
+        assert jtc_problems(m, ARM, time.time()) == [], m
+        previous = [0.1 * i for i in range(7)]  # where the robot is measured
+        t0 = 0.0
+        for p in m.points:
+            t = seconds(p.time_from_start)
+            for i, (x, v) in enumerate(zip(p.positions, p.velocities, strict=True)):
+                lim = LIMITS[ARM[i]]
+                assert lim['lower'] - 1e-12 <= x <= lim['upper'] + 1e-12, (i, x)
+                # time_from_start is truncated to whole nanoseconds.
+                assert abs(x - previous[i]) <= SPEED * (t - t0 + 2e-9), (i, x, previous[i])
+                assert abs(v) <= SPEED + 1e-12, (i, v)
+            previous, t0 = list(p.positions), t
+        moving += len(m.points) > 1
+    assert moving, 'only holds were published'
+
+
+def test_clamping_is_reported_and_counted(robot):
+    assert wait_for(lambda: int(robot.diag.get('clamped_commands', 0)) > 0, 5), robot.diag
+    assert robot.diag['limit_holds'] == '0'
+    log = robot.log()
+    assert 'joint limits: arm/fr3_joint' in log
+    assert 'clamped into' in log or 'held back by up to' in log
+    assert math.isfinite(float(robot.diag['control_publish_hz']))
