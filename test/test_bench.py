@@ -30,6 +30,10 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
             # timed once after each of its measured frames.
             ph = r['phases']
             assert ph['rounds'] == 3
+            # Decoding timed as the frame runs it: T steps at batch 1, or k = 2 at the batch
+            # that T tokens at 2 a frame make.
+            assert ph['runs'] == ({1: r['T']} if r['mode'] != 'oxygen' else
+                                  {min(r['T'] // 2, 2): 2})
             want = {'isolated': 2 * ph['prefill_ms'], 'shared_kv': ph['prefill_ms'],
                     'oxygen': ph['prefill_ms']}[r['mode']] + ph['denoise_ms']
             want += r['T'] * ph['decode_ms'][1] if r['mode'] != 'oxygen' \
@@ -44,7 +48,8 @@ def test_bench_writes_json_csv_png(tmp_path, capsys):
     saved = json.loads((tmp_path / 'bench.json').read_text())
     assert saved['config'] == 'tiny' and len(saved['results']) == 8
     assert set(saved['phases']['decode_ms']) >= {'1', '2'}
-    assert saved['phases']['rounds'] == 2 and saved['phases']['run'] == 2
+    assert saved['phases']['rounds'] == 2
+    assert saved['phases']['runs'] == {'1': 2, '2': 2, '3': 2}
     with open(tmp_path / 'bench.csv') as f:
         table = list(csv.DictReader(f))
     assert len(table) == 8 and {'mode', 'T', 'action_hz', 'tokens_per_s'} <= set(table[0])

@@ -78,31 +78,44 @@ class Phases:
     the static denoise and decode, replayed as CUDA graphs on a GPU), on an engine of their
     own so that they can be timed between another engine's frames.
 
-    Each ``round()`` times the phases once each, in the order a frame runs them (prefill,
-    denoise, then decode steps at each batch size); a phase's figure is its median over the
+    Each ``round()`` times the phases once each in the order a frame runs them: prefill,
+    denoise, then for each batch size b in ``runs`` a run of ``runs[b]`` decode steps in a
+    row; d_b is the time per step of that run. A phase's figure is its median over the
     rounds. Timing one phase many times in a row instead would start every repeat with that
-    phase's own data in the CPU caches, which no frame does. A frame decodes in runs of
-    steps, so d_b is the time per step of ``run`` steps in a row (one step alone pays again
-    for what a run pays once, e.g. waking the thread pool), on rows that already hold
-    ``generated`` tokens (half of a request's, the average a frame decodes at); the rows are
-    rewound after each run, outside the timing.
+    phase's own data in the CPU caches, which no frame does; and a run of steps is cheaper
+    per step than a single step (the first after other work is the slowest), so a run of
+    the frame's own length is what stands for the frame's decoding. Each run starts on rows
+    holding as many generated tokens as make its rows ``length`` long on average, the
+    length a frame's requests have on average; the rows are rewound after each run, outside
+    the timing.
     """
 
-    def __init__(self, engine: Engine, max_batch: int, steps: int, generated: int = 0,
-                 run: int = 1):
-        self.engine, self.steps, self.generated, self.run = engine, steps, generated, run
-        self.rows = min(max_batch, engine.cache.max_requests)
+    def __init__(self, engine: Engine, steps: int, runs: dict[int, int], length: int = 0):
+        self.engine, self.steps, self.runs = engine, steps, dict(runs)
+        rows = max(runs)
+        if rows > engine.cache.max_requests:
+            raise ValueError(f'a decode run of batch {rows} needs as many KV rows; the '
+                             f'engine has {engine.cache.max_requests}')
+        self.starts = {b: max(0, length - n // 2) for b, n in runs.items()}
+        room = engine.cache.max_new_tokens
+        if any(self.starts[b] + n > room for b, n in runs.items()):
+            raise ValueError(f'decode runs {runs} at average length {length} do not fit '
+                             f'in KV rows of {room} tokens')
         self.frame = engine.frame(next(observations(engine.model_cfg, 1, 3)))
-        self._requests = [Request(stamp=0.0) for _ in range(self.rows)]
-        self.times = {'prefill': [], 'denoise': [], **{b: [] for b in range(1, self.rows + 1)}}
+        self._requests = [Request(stamp=0.0) for _ in range(rows)]
+        self.times = {'prefill': [], 'denoise': [], **{b: [] for b in runs}}
         kv, f = engine.cache.kv, self.frame
+        # The rows' bookkeeping after each count of generated tokens a run starts at; the
+        # keys and values written on the way stay valid for every shorter start.
+        self._at = {}
         with torch.inference_mode():
-            for r in range(self.rows):
+            for r in range(rows):
                 engine.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv,
                                      slice(r, r + 1))
-            for _ in range(generated):
-                self._decode(self.rows)
-            self._start = kv.length.clone(), kv.next_pos.clone(), kv.valid.clone()
+            for n in range(max(self.starts.values()) + 1):
+                if n in self.starts.values():
+                    self._at[n] = kv.length.clone(), kv.next_pos.clone(), kv.valid.clone()
+                self._decode(rows)
             self._prefill()  # warm-up
 
     def _decode(self, b: int) -> None:
@@ -131,22 +144,22 @@ class Phases:
         dev, kv = self.engine.device, self.engine.cache.kv
         self.times['prefill'].append(_ms(self._prefill, dev))
         self.times['denoise'].append(_ms(self._denoise, dev))
-        for b in range(1, self.rows + 1):
-            ms = _ms(lambda b=b: [self._decode(b) for _ in range(self.run)], dev)
-            self.times[b].append(ms / self.run)
-            kv.length[:], kv.next_pos[:], kv.valid[:] = self._start
+        for b, n in self.runs.items():
+            kv.length[:], kv.next_pos[:], kv.valid[:] = self._at[self.starts[b]]
+            ms = _ms(lambda b=b, n=n: [self._decode(b) for _ in range(n)], dev)
+            self.times[b].append(ms / n)
 
     def result(self) -> dict:
         t = {key: float(np.median(v)) for key, v in self.times.items()}
         return dict(prefill_ms=t['prefill'], denoise_ms=t['denoise'],
-                    decode_ms={b: t[b] for b in range(1, self.rows + 1)},
-                    rounds=len(self.times['prefill']), generated=self.generated, run=self.run)
+                    decode_ms={b: t[b] for b in self.runs}, runs=self.runs,
+                    rounds=len(self.times['prefill']), starts=self.starts)
 
 
-def phase_times(engine: Engine, max_batch: int, steps: int, repeats: int,
-                generated: int = 0, run: int = 1) -> dict:
+def phase_times(engine: Engine, steps: int, repeats: int, runs: dict[int, int],
+                length: int = 0) -> dict:
     """``repeats`` rounds of Phases on ``engine``, back to back."""
-    phases = Phases(engine, max_batch, steps, generated, run)
+    phases = Phases(engine, steps, runs, length)
     for _ in range(repeats):
         phases.round()
     return phases.result()
@@ -246,12 +259,13 @@ def run(argv=None) -> dict:
                            compile=args.compile, graphs=args.graphs and mode != 'parallel')
         return Engine(cfg, model=model, tokenizer=tok)
 
-    # Runs of k steps at half a request's length (the rows hold t_max tokens at most).
-    run = min(args.k, t_max)
-    generated = min(t_max // 2, t_max - run)
+    # The table's decode steps: runs of k at each batch size, rows half a request long.
+    run, length = min(args.k, t_max), t_max // 2
     held = torch.cuda.memory_allocated(device) if device.type == 'cuda' else 0
     timer = engine('oxygen', t_max)  # the engine the phases are timed on
-    phases = phase_times(timer, max_batch, args.N, args.repeats, generated, run)
+    rows_max = min(max_batch, timer.cache.max_requests)
+    phases = phase_times(timer, args.N, args.repeats, {b: run for b in range(1, rows_max + 1)},
+                         length)
     if device.type == 'cuda':
         held = torch.cuda.memory_allocated(device) - held
     P, D, d = phases['prefill_ms'], phases['denoise_ms'], phases['decode_ms']
@@ -265,9 +279,13 @@ def run(argv=None) -> dict:
     for T, mode in tqdm(plan, desc='oxygen-bench', unit='run'):
         e = engine(mode, T)
         # Each mode's phases are timed between its own frames, so a machine that slows
-        # down during one mode's run slows that mode's phases too.
-        # (parallel runs two models at once: no sum of phases describes its frame.)
-        own = Phases(timer, max_batch, args.N, generated, run) if mode != 'parallel' else None
+        # down during one mode's run slows that mode's phases too; its decoding as its frame
+        # runs it: T steps at batch 1 (the baselines), or k steps at the batch that T
+        # tokens per request at k a frame make. (parallel runs two models at once: no sum
+        # of phases describes its frame.)
+        b = min(math.ceil(T / args.k), rows_max) if mode == 'oxygen' else 1
+        n = min(args.k, T) if mode == 'oxygen' else T
+        own = Phases(timer, args.N, {b: n}, T // 2) if mode != 'parallel' else None
         r = run_mode(e, args.frames, args.warmup, args.cameras, own)
         r.update(mode=mode, T=T, N=args.N, k=args.k if mode == 'oxygen' else T)
         if device.type == 'cuda':
@@ -285,11 +303,8 @@ def run(argv=None) -> dict:
         if own is not None:
             # What the frame would take if it were nothing but its phases.
             r['phases'] = ph = own.result()
-            P1, D1, d1 = ph['prefill_ms'], ph['denoise_ms'], ph['decode_ms']
-            if mode == 'oxygen':
-                r['phase_ms'] = P1 + D1 + args.k * d1[min(math.ceil(T / args.k), max(d1))]
-            else:
-                r['phase_ms'] = (2 * P1 if mode == 'isolated' else P1) + D1 + T * d1[1]
+            r['phase_ms'] = (2 if mode == 'isolated' else 1) * ph['prefill_ms'] \
+                + ph['denoise_ms'] + n * ph['decode_ms'][b]
         rows.append(r)
         if hasattr(e.scheduler, 'close'):
             e.scheduler.close()
