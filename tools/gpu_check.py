@@ -151,7 +151,7 @@ def bench(config: str, device: torch.device, out: Path, args, graphs: bool, T, s
            '--out', str(out), '--no-plot']
     cmd += ['--graphs'] if graphs else []
     cmd += ['--adaptive'] if sweep else []
-    print('$', ' '.join(cmd[1:]), flush=True)
+    print('$ python', ' '.join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return json.loads((out / 'bench.json').read_text())
 
