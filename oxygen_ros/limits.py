@@ -170,7 +170,8 @@ class JointLimits:
         each step no faster than the joint's speed from the point before (the first from
         `measured`, taken as being at time 0; NaN or None where unknown: the first point is
         then only clamped), velocities recomputed from the limited points for the limited
-        joints (the others keep theirs). The last point is at rest."""
+        joints (the others keep theirs). The last point is at rest. A joint measured beyond
+        its range is led back at its speed: its first points lie outside until it is in."""
         times = np.asarray(times, dtype=np.float64)
         pos = np.array(positions, dtype=np.float64)
         vel = np.array(velocities, dtype=np.float64)
@@ -191,9 +192,11 @@ class JointLimits:
             prev = start
             for k in range(len(raw)):
                 step = speed * dt[k]
-                near = np.where(np.isnan(prev), raw[k],
-                                np.clip(raw[k], prev - step, prev + step))
-                out[k] = np.clip(near, lo, hi)
+                # Into the range first, then within reach: a joint measured beyond its
+                # range comes back no faster than its speed, never in one jump.
+                ranged = np.clip(raw[k], lo, hi)
+                out[k] = np.where(np.isnan(prev), ranged,
+                                  np.clip(ranged, prev - step, prev + step))
                 prev = out[k]
         pos[:, idx] = out
         vel[:, idx] = _velocities(np.concatenate([[0.0], times]),

@@ -89,6 +89,19 @@ def test_measured_beyond_a_limit_goes_to_the_limit_and_is_said():
     assert 'arm/j measured at 1.05, above its upper limit 1 by 0.05' in measured[0].text
 
 
+def test_measured_beyond_a_limit_comes_back_at_its_speed():
+    # Range [-1, 1] at 1/s, the hold margin wide enough to command it; measured 0.3 above.
+    lim = one_joint(velocity=1.0, margin=0.5)
+    times = np.array([0.1, 0.2, 0.3, 0.4])
+    out = lim.apply(times, np.full((4, 2), 0.5), np.zeros((4, 2)),
+                    measured=np.array([1.3, 0.0]))
+    # 0.1 a step towards 0.5, from 1.3: back inside the range at the third point, never
+    # the 0.3 jump to the limit.
+    np.testing.assert_allclose(out.positions[:, 0], [1.2, 1.1, 1.0, 0.9])
+    np.testing.assert_allclose(out.velocities[:, 0], [-1.0, -1.0, -1.0, 0.0])
+    assert {f.kind for f in out.findings} == {'speed', 'measured'}
+
+
 def test_unknown_start_only_clamps_the_first_point():
     lim = one_joint()
     out = lim.apply(np.array([0.1, 0.2]), np.array([[0.9, 0.0], [-0.5, 0.0]]),
