@@ -123,9 +123,6 @@ class JointLimits:
         """How far x lies outside [lower, upper], per element (<= 0 inside)."""
         return np.maximum(x - self.upper, self.lower - x)
 
-    def _beyond_one(self, i: int, x: float) -> float:
-        return max(x - self.upper[i], self.lower[i] - x)
-
     def too_far(self, targets: np.ndarray, measured: np.ndarray | None) -> str | None:
         """Why the robot must hold instead of being clamped (a hold reason), or None.
 
@@ -156,13 +153,10 @@ class JointLimits:
     def outside(self, measured: np.ndarray) -> list[Finding]:
         """The joints measured beyond a limit (a hold keeps them where they are)."""
         x = np.asarray(measured, dtype=np.float64)
-        out = []
-        for i in self.index:
-            if np.isfinite(x[i]) and self._beyond_one(i, x[i]) > 0:
-                out.append(Finding('measured', self.names[i], float(self._beyond_one(i, x[i])),
-                                   f'joint limits: {self.names[i]} measured at '
-                                   f'{self._side(i, x[i])}'))
-        return out
+        over = self._beyond(x)  # NaN (not measured) compares False
+        return [Finding('measured', self.names[i], float(over[i]),
+                        f'joint limits: {self.names[i]} measured at {self._side(i, x[i])}')
+                for i in self.index if over[i] > 0]
 
     def apply(self, times: np.ndarray, positions: np.ndarray, velocities: np.ndarray,
               measured: np.ndarray | None) -> Limited:
@@ -202,12 +196,13 @@ class JointLimits:
         vel[:, idx] = _velocities(np.concatenate([[0.0], times]),
                                   np.concatenate([start[None], out]))
         findings = []
-        beyond = np.maximum(raw - hi, lo - raw).max(axis=0)
+        over = np.maximum(raw - hi, lo - raw)
+        beyond = over.max(axis=0)
         slowed = np.abs(out - np.clip(raw, lo, hi)).max(axis=0)
         for j, i in enumerate(idx):
             name = self.names[i]
             if beyond[j] > 0:
-                k = int(np.argmax(np.maximum(raw[:, j] - hi[j], lo[j] - raw[:, j])))
+                k = int(np.argmax(over[:, j]))
                 findings.append(Finding('position', name, float(beyond[j]),
                                         f'joint limits: {name} target {self._side(i, raw[k, j])};'
                                         f' clamped into [{lo[j]:.4g}, {hi[j]:.4g}]'))
