@@ -113,9 +113,10 @@ class Phases:
                 engine.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv,
                                      slice(r, r + 1))
             for n in range(max(self.starts.values()) + 1):
+                if n:
+                    self._decode(rows)
                 if n in self.starts.values():
                     self._at[n] = kv.length.clone(), kv.next_pos.clone(), kv.valid.clone()
-                self._decode(rows)
             self._prefill()  # warm-up
 
     def _decode(self, b: int) -> None:
