@@ -27,7 +27,7 @@ from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory
 
 from oxygen_ros.contract import is_limit
-from oxygen_ros.limits import parse_limits
+from oxygen_ros.limits import JointLimits, parse_limits
 
 PARAMS = {
     'cameras': ([], 'camera names'),
@@ -108,13 +108,14 @@ class SimRobot(Node):
             self.groups[g] = dict(indices=indices, times=None, pos=None, start=0.0, last=None)
             self.create_subscription(JointTrajectory, topic,
                                      lambda m, g=g: self._on_trajectory(g, m), reliable)
-        self.lower, self.upper, self.speed = (np.full(len(self.joints), x)
-                                              for x in (-np.inf, np.inf, np.inf))
-        for i, (name, lim) in parse_limits(self._limit_params(), named).items():
+        limits = parse_limits(self._limit_params(), named)
+        for i, (name, _) in limits.items():
             if i >= len(self.joints):
                 raise ValueError(f'joint_limits.{name.replace("/", ".")}: action index {i} '
                                  f'moves no joint of the {len(self.joints)} simulated')
-            self.lower[i], self.upper[i], self.speed[i] = lim.lower, lim.upper, lim.velocity
+        # The node's own per-index arrays (no hold margin: the sim only obeys the limits).
+        lim = JointLimits(len(self.joints), limits, 0.0)
+        self.lower, self.upper, self.speed = lim.lower, lim.upper, lim.speed
         if p['max_joint_speed'] > 0:
             self.speed = np.minimum(self.speed, p['max_joint_speed'])
         self.create_subscription(String, p['narration_topic'], self._on_narration,
