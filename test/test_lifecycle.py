@@ -20,8 +20,7 @@ import yaml
 
 rclpy = pytest.importorskip('rclpy')
 ament = pytest.importorskip('ament_index_python.packages')
-pytest.importorskip('oxygen_ros.msg', reason='oxygen_ros.msg exists only in a colcon build '
-                    '(make test)')
+import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
 
 from lifecycle_msgs.msg import Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402

@@ -11,8 +11,7 @@ import time
 import pytest
 
 pytest.importorskip('rclpy')
-pytest.importorskip('oxygen_ros.msg', reason='oxygen_ros.msg exists only in a colcon build '
-                    '(make test)')
+import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
 
 from test_node import ARM, PARAMS, Robot, node_process, wait_for  # noqa: E402
 
