@@ -17,8 +17,6 @@ import pytest
 
 rclpy = pytest.importorskip('rclpy')
 ament = pytest.importorskip('ament_index_python.packages')
-import oxygen_ros.action as action_mod  # built by colcon; must import
-
 from action_msgs.msg import GoalStatus  # noqa: E402
 from rclpy.action import ActionClient  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
@@ -30,6 +28,8 @@ from test_node import (  # noqa: E402
     node_process,
     wait_for,
 )
+
+import oxygen_ros.action as action_mod  # noqa: E402 (built by colcon; must import)
 
 Ask = action_mod.Ask
 ROWS = 2

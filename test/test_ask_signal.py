@@ -14,8 +14,6 @@ import pytest
 import torch
 
 rclpy = pytest.importorskip('rclpy')
-import oxygen_ros.action as action_mod  # built by colcon; must import
-
 from rclpy.action import ActionClient  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from test_ask import make  # noqa: E402
@@ -23,6 +21,7 @@ from test_ask_node import ABORTED, ASKING, ROWS, SUCCEEDED, Asker  # noqa: E402
 from test_lifecycle import after, is_hold  # noqa: E402
 from test_node import ARM, node_process, wait_for  # noqa: E402
 
+import oxygen_ros.action as action_mod  # noqa: E402 (built by colcon; must import)
 from oxygen_ros.ask_server import AskServer  # noqa: E402
 from oxygen_ros.model import Pi05, load_config  # noqa: E402
 from oxygen_ros.model.tokenizer import Tokenizer  # noqa: E402

@@ -256,8 +256,9 @@ class YuvRobot:
 
 @needs_bridge
 def test_yuv422_camera_drives_the_node(tmp_path):
-    import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
     from test_node import PARAMS, chunk_messages, keeps_commanding, node_process, wait_for
+
+    import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
 
     domain = str(random.randint(120, 220))
     params = dict(PARAMS, optional_cameras=['wrist'])

@@ -275,12 +275,13 @@ def test_node_reanchors_droid_targets_on_the_lagging_sim_robot(tmp_path):
     readings seen, to rounding. Only where this process missed readings (a gap in their
     stamps) may it lie between two seen ones: within the arm's 0.3 rad/s of the gap."""
     pytest.importorskip('rclpy')
-    import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
     import signal
     import subprocess
     import sys
 
     from test_node import node_env, node_process, wait_for, write_params
+
+    import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
 
     params = yaml.safe_load(CONFIG.read_text())['/**']['ros__parameters']
     # The targets checked here are DROID's own; joint limits, which would clamp some of

@@ -213,10 +213,17 @@ def test_readme_ros2_run_with_a_remap(tmp_path):
     def readers(topic):
         return [i.node_name for i in node.get_subscriptions_info_by_topic(topic)]
 
+    def named(topic):
+        # DDS can announce a reader before the participant's node names have arrived; its
+        # node is '_NODE_NAME_UNKNOWN_' until then.
+        found = readers(topic)
+        return found and '_NODE_NAME_UNKNOWN_' not in found
+
     try:
         end = time.monotonic() + 120
-        while not readers('/cam_high/color/image_rect_raw') and time.monotonic() < end \
-                and proc.poll() is None:
+        while not (named('/cam_high/color/image_rect_raw')
+                   and named('/cam_left_wrist/camera/color/image_rect_raw')) \
+                and time.monotonic() < end and proc.poll() is None:
             time.sleep(0.2)
         moved = readers('/cam_high/color/image_rect_raw')
         old = readers('/cam_high/camera/color/image_rect_raw')

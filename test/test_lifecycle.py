@@ -20,8 +20,6 @@ import yaml
 
 rclpy = pytest.importorskip('rclpy')
 ament = pytest.importorskip('ament_index_python.packages')
-import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
-
 from lifecycle_msgs.msg import Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
@@ -39,6 +37,8 @@ from test_node import (  # noqa: E402
     write_params,
 )
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
 
 # max_input_age below the tiny model's 0.4 s chunk, so a stale input, not the end of the
 # chunk, is what stops the robot.

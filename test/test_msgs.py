@@ -1,7 +1,6 @@
 """The generated interfaces import from the install space and carry the documented fields."""
-import pytest
 
-import oxygen_ros.msg as msg  # built by colcon; must import
+import oxygen_ros.msg as msg  # noqa: E402 (built by colcon; must import)
 
 
 def test_narration_fields_round_trip():
@@ -33,8 +32,9 @@ def test_narration_field_types():
 
 
 def test_ask_action_fields_and_constants():
-    import oxygen_ros.action as action  # built by colcon; must import
     from rclpy.serialization import deserialize_message, serialize_message
+
+    import oxygen_ros.action as action  # built by colcon; must import
 
     Ask = action.Ask
     assert Ask.Goal.get_fields_and_field_types() == {

@@ -20,8 +20,6 @@ import pytest
 import yaml
 
 rclpy = pytest.importorskip('rclpy')
-import oxygen_ros.msg as msg_mod  # built by colcon; must import
-
 from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue  # noqa: E402
 from rcl_interfaces.srv import GetParameters, SetParameters  # noqa: E402
@@ -30,6 +28,8 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # 
 from sensor_msgs.msg import Image, JointState  # noqa: E402
 from std_msgs.msg import Empty, String  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+import oxygen_ros.msg as msg_mod  # noqa: E402 (built by colcon; must import)
 
 ARM = [f'fr3_joint{i}' for i in range(1, 8)]
 JOINTS = ARM + ['gripper']

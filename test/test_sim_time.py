@@ -7,8 +7,6 @@ import time
 import pytest
 
 rclpy = pytest.importorskip('rclpy')
-import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
-
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from rosgraph_msgs.msg import Clock  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
@@ -25,6 +23,8 @@ from test_node import (  # noqa: E402
     wait_for,
 )
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
 
 
 class Simulation:
