@@ -347,7 +347,7 @@ def test_deactivate_holds_every_controller_at_the_measured_pose(robot):
         return [m for at, m in list(robot.traj[g]) if at >= mark]
 
     assert wait_for(lambda: all(after(g) and is_hold(after(g)[-1], g) for g in CONTROLLERS),
-                    10), {g: [len(m.points) for m in after(g)] for g in CONTROLLERS}
+                    10), {g: (measured(g), after(g)[-1:]) for g in CONTROLLERS}
     time.sleep(1.0)  # and nothing after it: an inactive node commands nothing
     for g in CONTROLLERS:
         got = after(g)
