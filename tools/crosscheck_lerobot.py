@@ -31,6 +31,16 @@ Policy level, as a user has it:
      bin edge, a task); Engine(EngineConfig(checkpoint=DIR, model=DIMS_YAML, tokenizer=SPM,
      seed=0)).step(obs, noise=N) must give the same [16, 7] chunk within 1e-4, with all
      cameras and with one missing, and openpi's conventions on the same directory must not.
+The fixture for CI, where LeRobot is absent (--write-fixture DIR; test/fixtures/lerobot_pi05):
+  7. the policy directories of 6 as LeRobot saved them, for both stats flavours, at smaller
+     dims (FIXTURE_DIMS, 1.7 MB in all), with the raw inputs (inputs.safetensors), the
+     tokenizer and model dims the engine takes, and what LeRobot computed from them with all
+     cameras and with wrist_left left out (expected.safetensors): the normalised state and
+     prompt tokens from its preprocessor, the model's images from PI05Policy.
+     _preprocess_images, the chunk from predict_action_chunk(noise) and the postprocessed
+     actions; fixture.json records the versions that made it. The engine is checked against
+     it as it is written (as in 6); test/test_lerobot_fixture.py checks it again in CI. Seeded
+     throughout: writing it again with the same versions gives the same bytes.
 Not covered: bf16 (LeRobot 0.6 also keeps the whole vision tower in fp32, openpi and we only
 its patch/position embeddings), the "causal" prompt flavour itself (LeRobot has none), real
 pi0.5 dims or weights, relative actions and RTC (refused by the engine), and the tokenizer:
@@ -52,8 +62,8 @@ Run it in a separate environment, never the project's venv:
     /tmp/xcheck-venv/bin/pip install --no-deps --ignore-requires-python lerobot==0.6.1
     /tmp/xcheck-venv/bin/pip install 'transformers==5.5.4' 'draccus>=0.11.6,<0.12' \
         'torch==2.13.0' sentencepiece einops gymnasium
-    PYTHONPATH=/work/main OMP_NUM_THREADS=1 /tmp/xcheck-venv/bin/python \
-        tools/crosscheck_lerobot.py
+    PYTHONPATH=. OMP_NUM_THREADS=1 /tmp/xcheck-venv/bin/python \
+        tools/crosscheck_lerobot.py [--write-fixture test/fixtures/lerobot_pi05]
 (--no-deps also skips LeRobot's torch<2.12 pin; nothing used here depends on it. Checked with
 lerobot 0.6.1, transformers 5.5.4, torch 2.13.0+cpu, Python 3.11; about 10 s on one core.)
 Exits 0 when every difference is within its tolerance, 1 otherwise. Not a pytest test.
@@ -167,6 +177,13 @@ VOCAB = 1024
 VLM = dict(width=64, depth=4, mlp=128, heads=8, kv_heads=1, head_dim=16)  # openpi "dummy"
 EXPERT = dict(width=32, depth=4, mlp=64, heads=8, kv_heads=1, head_dim=16)  # narrower
 VISION = dict(width=32, depth=2, mlp=64, heads=2, patch=14, image_size=56)
+DIMS = dict(vlm=VLM, expert=EXPERT, vision=VISION, vocab=VOCAB)
+# The committed fixture holds two whole policy directories in under 2 MB: half the layers,
+# head_dim 8 (LeRobot still needs 8 query heads) and the built-in tokenizer's 512 pieces.
+FIXTURE_DIMS = dict(
+    vlm=dict(width=48, depth=2, mlp=96, heads=8, kv_heads=1, head_dim=8),
+    expert=dict(width=32, depth=2, mlp=64, heads=8, kv_heads=1, head_dim=8),
+    vision=dict(width=32, depth=2, mlp=64, heads=2, patch=14, image_size=56), vocab=512)
 ACTION_DIM, HORIZON, MAX_TOKENS, STEPS = 32, 10, 24, 10
 
 
@@ -177,9 +194,10 @@ def our_config():
                        max_token_len=MAX_TOKENS, prompt_attention="bidirectional")
 
 
-def tiny_variants(m, pg):
+def tiny_variants(m, pg, dims: dict = DIMS):
     """Make LeRobot build the tiny dims under the variant names its config accepts."""
-    variants = {"gemma_2b": VLM, "gemma_300m": EXPERT}
+    variants = {"gemma_2b": dims["vlm"], "gemma_300m": dims["expert"]}
+    vision, vocab = dims["vision"], dims["vocab"]
 
     def get_gemma_config(name):
         v = variants[name]
@@ -188,16 +206,16 @@ def tiny_variants(m, pg):
                              head_dim=v["head_dim"])
 
     def paligemma(config):
-        config.text_config.vocab_size = VOCAB
+        config.text_config.vocab_size = vocab
         vc = config.vision_config
-        vc.hidden_size, vc.num_hidden_layers = VISION["width"], VISION["depth"]
-        vc.intermediate_size, vc.num_attention_heads = VISION["mlp"], VISION["heads"]
-        vc.patch_size, vc.image_size = VISION["patch"], VISION["image_size"]
-        vc.projection_dim = config.projection_dim = VLM["width"]
+        vc.hidden_size, vc.num_hidden_layers = vision["width"], vision["depth"]
+        vc.intermediate_size, vc.num_attention_heads = vision["mlp"], vision["heads"]
+        vc.patch_size, vc.image_size = vision["patch"], vision["image_size"]
+        vc.projection_dim = config.projection_dim = variants["gemma_2b"]["width"]
         return pg.PaliGemmaForConditionalGenerationWithPiGemma(config)
 
     def expert(config):
-        config.vocab_size = VOCAB
+        config.vocab_size = vocab
         return pg.PiGemmaForCausalLM(config)
 
     m.get_gemma_config = get_gemma_config
@@ -459,13 +477,12 @@ def policy_stats(seed: int = 3) -> dict:
     return out
 
 
-def save_policy(m, directory: Path, norm_map: dict) -> None:
+def save_policy(m, directory: Path, norm_map: dict, size: int = VISION["image_size"]) -> None:
     """A tiny random PI05Policy saved as LeRobot saves one: save_pretrained plus its pre-
     and post-processors (the stats go into their safetensors files)."""
     from lerobot.configs import FeatureType, NormalizationMode, PolicyFeature
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
-    size = VISION["image_size"]
     features = {f"observation.images.{c}": PolicyFeature(FeatureType.VISUAL, (3, size, size))
                 for c in CAMERAS}
     features["observation.state"] = PolicyFeature(FeatureType.STATE, (STATE_DIM,))
@@ -497,9 +514,11 @@ def raw_observation(seed: int, stats: dict):
 
 
 @torch.no_grad()
-def lerobot_policy_actions(m, directory: Path, images, state, task, noise):
+def lerobot_policy_stages(m, directory: Path, images, state, task, noise) -> dict:
     """LeRobot's own path on the saved directory: preprocessor -> predict_action_chunk ->
-    postprocessor."""
+    postprocessor, with what each stage hands on: the normalised state and prompt tokens
+    (preprocessor), the model's images ({camera: 3xHxW in [-1, 1]}, present ones only), the
+    chunk in model space and the final actions."""
     from lerobot.processor import PolicyProcessorPipeline
     from lerobot.processor.converters import (
         batch_to_transition,
@@ -518,8 +537,20 @@ def lerobot_policy_actions(m, directory: Path, images, state, task, noise):
              for c, img in images.items()}
     batch["observation.state"] = torch.from_numpy(state)
     batch["task"] = task
-    chunk = policy.predict_action_chunk(pre(batch), noise=torch.from_numpy(noise)[None])
-    return post(chunk)[0]
+    ready = pre(batch)
+    # _preprocess_images lists the present cameras first, in feature order, then the missing.
+    present = [c for c in CAMERAS if c in images]
+    model_images, _ = policy._preprocess_images(ready)
+    chunk = policy.predict_action_chunk(ready, noise=torch.from_numpy(noise)[None])
+    return {"state": ready["observation.state"][0],
+            "tokens": ready["observation.language.tokens"][0],
+            "token_mask": ready["observation.language.attention_mask"][0].bool(),
+            "images": {c: img[0] for c, img in zip(present, model_images, strict=False)},
+            "chunk": chunk[0], "actions": post(chunk)[0]}
+
+
+def lerobot_policy_actions(m, directory: Path, images, state, task, noise):
+    return lerobot_policy_stages(m, directory, images, state, task, noise)["actions"]
 
 
 def our_policy_actions(directory: Path, dims: Path, tokenizer: Path, images, state, task,
@@ -537,12 +568,10 @@ def our_policy_actions(directory: Path, dims: Path, tokenizer: Path, images, sta
     return torch.from_numpy(np.asarray(out))
 
 
-def check_policy_directory(m, report: Report, tmp: Path) -> None:
-    """The engine on directories LeRobot saved, against LeRobot's full pipeline."""
-    import yaml
-
+def use_sentencepiece(tokenizer: Path) -> None:
+    """Write the engine's built-in SentencePiece model to ``tokenizer`` and have LeRobot's
+    TokenizerProcessorStep tokenize with it."""
     from oxygen_ros.model.tokenizer import Tokenizer
-    tokenizer = tmp / "tokenizer.model"
     tokenizer.write_bytes(Tokenizer.default().model_proto())
     import lerobot.processor.tokenizer_processor as tp
 
@@ -552,9 +581,19 @@ def check_policy_directory(m, report: Report, tmp: Path) -> None:
             return SentencePieceTokenizer(tokenizer)
 
     tp.AutoTokenizer = _Hub
+
+
+def write_dims(path: Path, dims: dict) -> None:
+    import yaml
+    path.write_text(yaml.safe_dump(dict(name="xcheck", **dims)))
+
+
+def check_policy_directory(m, report: Report, tmp: Path) -> None:
+    """The engine on directories LeRobot saved, against LeRobot's full pipeline."""
+    tokenizer = tmp / "tokenizer.model"
+    use_sentencepiece(tokenizer)
     dims = tmp / "dims.yaml"
-    dims.write_text(yaml.safe_dump(dict(name="xcheck", vlm=VLM, expert=EXPERT, vision=VISION,
-                                        vocab=VOCAB)))
+    write_dims(dims, DIMS)
     stats = policy_stats()
     for tag, norm_map in NORM_MAPS.items():
         directory = tmp / f"policy_{tag.replace('/', '_')}"
@@ -579,8 +618,110 @@ def check_policy_directory(m, report: Report, tmp: Path) -> None:
                                               noise, conventions="openpi"), ref, 1e-3)
 
 
+# --------------------------------------------------------------------------- fixture
+
+FIXTURE_LIMIT = 2_000_000  # bytes, the whole fixture
+CASES = {"all": (), "no_wrist_left": ("wrist_left",)}  # case -> cameras left out
+
+
+def versions(lerobot_version: str) -> dict:
+    from importlib.metadata import version
+
+    import transformers
+    out = {"lerobot": lerobot_version, "transformers": transformers.__version__,
+           "torch": torch.__version__, "python": sys.version.split()[0]}
+    for name in ("numpy", "safetensors", "sentencepiece", "draccus"):
+        out[name] = version(name)
+    return out
+
+
+def plain(t):
+    """A tensor as a C-ordered array: safetensors.numpy writes an array's buffer as it lies
+    in memory, so a strided view (a permute, a slice of the last dim) would come out
+    scrambled."""
+    import numpy as np
+    return np.ascontiguousarray(t.numpy() if isinstance(t, torch.Tensor) else t)
+
+
+def write_fixture(m, pg, out: Path, lerobot_version: str) -> int:
+    """What test/test_lerobot_fixture.py checks the engine against with LeRobot absent: two
+    tiny policy directories as LeRobot saved them (one per NORM_MAPS flavour, the same
+    weights), the raw inputs and noise, and what LeRobot computed from them at each stage,
+    with every camera and with one left out. The engine is checked against it here too."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    if out.exists() and any(out.iterdir()) and not (out / "fixture.json").is_file():
+        raise SystemExit(f"{out} holds other files; give an empty or a fixture directory")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    tiny_variants(m, pg, FIXTURE_DIMS)
+    tokenizer, dims = out / "tokenizer.model", out / "dims.yaml"
+    use_sentencepiece(tokenizer)
+    write_dims(dims, FIXTURE_DIMS)
+    stats = policy_stats()
+    images, state, task = raw_observation(5, stats)
+    noise = torch.randn(CHUNK, ACTION_DIM, generator=torch.Generator().manual_seed(9)).numpy()
+    inputs = {f"image.{c}": plain(img) for c, img in images.items()}
+    inputs.update(state=plain(state), noise=plain(noise))
+    save_file(inputs, str(out / "inputs.safetensors"))
+
+    report, expected, policies = Report(), {}, {}
+    for tag, norm_map in NORM_MAPS.items():
+        name = tag.replace("/", "_")
+        policies[name] = {"normalization_mapping": norm_map}
+        save_policy(m, out / name, norm_map, FIXTURE_DIMS["vision"]["image_size"])
+        for case, missing in CASES.items():
+            imgs = {c: v for c, v in images.items() if c not in missing}
+            ref = lerobot_policy_stages(m, out / name, imgs, state, task, noise)
+            for what in ("state", "tokens", "token_mask", "chunk", "actions"):
+                expected[f"{name}.{case}.{what}"] = plain(ref[what])
+            # The model's images depend on neither the stats nor the other cameras: kept once,
+            # and each later run must give them again.
+            for c, img in ref["images"].items():
+                key = f"image.{c}"
+                if key in expected:
+                    if not np.array_equal(expected[key], plain(img)):
+                        raise SystemExit(f"LeRobot's {c} image changed between runs")
+                else:
+                    expected[key] = plain(img)
+            mine = our_policy_actions(out / name, dims, tokenizer, imgs, state, task, noise)
+            report.add(f"[fixture {tag}] final actions, {case}", mine, ref["actions"], 1e-4)
+    save_file(expected, str(out / "expected.safetensors"))
+    meta = {
+        "made_by": "tools/crosscheck_lerobot.py --write-fixture",
+        "versions": versions(lerobot_version),
+        "task": task, "cameras": {c: list(img.shape) for c, img in images.items()},
+        "state_dim": STATE_DIM, "action_dim": ACTION_DIM_ROBOT, "chunk_size": CHUNK,
+        "n_action_steps": N_ACTION_STEPS, "model_action_dim": ACTION_DIM,
+        "policies": policies, "cases": {c: list(v) for c, v in CASES.items()},
+        "expected": "expected.safetensors: <policy>.<case>.{state, tokens, token_mask, chunk, "
+                    "actions} from LeRobot's preprocessor, predict_action_chunk(noise) and "
+                    "postprocessor; image.<camera>: the model's input image (3xHxW in [-1, 1]) "
+                    "from PI05Policy._preprocess_images",
+    }
+    (out / "fixture.json").write_text(json.dumps(meta, indent=1) + "\n")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    report.print()
+    print(f"wrote {out}: {size} bytes in {sum(1 for f in out.rglob('*') if f.is_file())} files")
+    if size > FIXTURE_LIMIT:
+        print(f"FAILED: the fixture is over {FIXTURE_LIMIT} bytes")
+        return 1
+    return int(report.failed)
+
+
 def main() -> int:
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--write-fixture", type=Path, metavar="DIR",
+                        help="write the LeRobot fixture (test/fixtures/lerobot_pi05) to DIR "
+                             "instead of running the cross-check")
+    args = parser.parse_args()
     m, pg, version = import_lerobot()
+    if args.write_fixture:
+        return write_fixture(m, pg, args.write_fixture, version)
     import transformers
 
     from oxygen_ros.model import load_checkpoint
