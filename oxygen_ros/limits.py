@@ -228,16 +228,18 @@ class JointLimits:
                         bp, bv = _toward(p, q, goal[k], h[k], reach, cap[k], lim[3])
                         # From rest, a parabola to rest goes nowhere: a cubic to rest as
                         # long as the limits allow gets there (a single point's only way).
-                        # Its peak: 6 / h^2 and 1.5 / h per unit moved, and the room to stop
-                        # (see _fits) 1.5 step / h more.
-                        room = np.where(goal[k] >= p, hi - p, p - lo) * (1 - 1e-9)
-                        d = np.minimum(np.minimum(lim[3] * h[k] ** 2 / 6, lim[2] * h[k] / 1.5),
-                                       np.maximum(room, 0.0) / (1 + 1.5 * reach / h[k]))
-                        rp = p + np.clip(goal[k] - p, -d, d)
-                        rest = (q == 0) & (bv == 0)
-                        rest &= np.abs(rp - goal[k]) < np.abs(bp - goal[k])
-                        rest &= _fits(p, q, rp, 0.0, h[k], cap[k], reach, lim)
-                        bp, bv = np.where(rest, rp, bp), np.where(rest, 0.0, bv)
+                        rest = (q == 0) & (bv == 0) & ~fine
+                        if rest.any():
+                            # Its peak: 6 / h^2 and 1.5 / h per unit moved, and the room to
+                            # stop (see _fits) 1.5 step / h more.
+                            room = np.where(goal[k] >= p, hi - p, p - lo) * (1 - 1e-9)
+                            d = np.minimum(np.minimum(lim[3] * h[k] ** 2 / 6,
+                                                      lim[2] * h[k] / 1.5),
+                                           np.maximum(room, 0.0) / (1 + 1.5 * reach / h[k]))
+                            rp = p + np.clip(goal[k] - p, -d, d)
+                            rest &= np.abs(rp - goal[k]) < np.abs(bp - goal[k])
+                            rest &= _fits(p, q, rp, 0.0, h[k], cap[k], reach, lim)
+                            bp, bv = np.where(rest, rp, bp), np.where(rest, 0.0, bv)
                         out[k] = np.where(fine, goal[k], bp)
                         v[k] = np.where(fine, want[k], bv)
                         off = ~fine
