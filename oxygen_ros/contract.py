@@ -57,7 +57,8 @@ class Param:
 
 # Every parameter the node reads, in one place. Output groups add
 # outputs.<group>.{topic,joints,indices} for each name in output_groups, and joint limits
-# joint_limits.<group>.<joint>.{lower,upper,velocity} (LIMIT_PARAM) for each joint limited.
+# joint_limits.<group>.<joint>.{lower,upper,velocity,acceleration,jerk} (LIMIT_PARAM) for
+# each joint limited.
 PARAMS = (
     # lifecycle and safety
     Param('autostart', False, 'configure and activate at start instead of waiting for '
@@ -160,8 +161,9 @@ GROUP_PARAMS = (
 
 # joint_limits.<group>.<joint>.<key>: declared for each one given (a params file's nested
 # joint_limits mapping), checked by parse_limits.
-LIMIT_PARAM = Param('joint_limits.<group>.<joint>.<lower|upper|velocity>', None,
-                    'position limits (rad or m) and largest speed (per s) of a commanded joint',
+LIMIT_PARAM = Param('joint_limits.<group>.<joint>.<lower|upper|velocity|acceleration|jerk>',
+                    None, 'position limits (rad or m), largest speed (per s), acceleration '
+                    '(per s^2) and jerk (per s^3) of a commanded joint',
                     'float')
 
 BY_NAME = {p.name: p for p in PARAMS}

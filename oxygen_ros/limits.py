@@ -1,12 +1,19 @@
 """Joint limits on what the node commands, without ROS.
 
 joint_trajectory_controller does not enforce joint limits, so the node does, on every point
-it publishes: each target is clamped into [lower, upper], and each step is shortened so it
-can be made at the joint's maximum speed from the point before it (the first point from
-the measured position), as LeRobot's max_relative_target bounds a target by its distance
-to the measured position. Velocities are then recomputed from the limited points. A target
-(or a measured position) beyond a limit by more than the hold margin is not clamped: the
-model's actions, or the limits, do not fit this robot, and the robot holds instead.
+it publishes, and on the motion between points: given positions and velocities, the
+controller moves along a cubic Hermite spline from its current state (position and
+velocity) to the first point and from each point to the next. Each target is clamped into
+[lower, upper]; its velocity is the chunk's own, limited so that the cubic stays monotone
+between two points (it never overshoots a point, and so never a limit the points respect);
+and each cubic is checked at its peak: speed, acceleration and (constant inside a segment)
+jerk within the joint's limits, and the joint still able to stop before its range ends and
+by the last point, which is at rest. A point that fails is moved: from where the point
+before left the joint, a segment of constant acceleration (velocity linear, so its peak is
+at an end) as close to the target as the limits allow while it can still stop at the
+target. A target (or a measured position) beyond a limit by more than the hold margin is
+not clamped: the model's actions, or the limits, do not fit this robot, and the robot holds
+instead (braking within the limits where it moves).
 
 Limits are per action index (the action dim a controller joint is driven by); arrays hold
 -inf / inf where a joint has no limit.
@@ -19,7 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KEYS = ('lower', 'upper', 'velocity')
+KEYS = ('lower', 'upper', 'velocity', 'acceleration', 'jerk')
+# Relative slack of the peak checks, for rounding only.
+TOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,8 @@ class Limit:
     lower: float = -math.inf
     upper: float = math.inf
     velocity: float = math.inf  # largest speed, units/s
+    acceleration: float = math.inf  # units/s^2
+    jerk: float = math.inf  # units/s^3
 
 
 @dataclass(frozen=True)
@@ -50,16 +61,16 @@ class Limited:
 
 def parse_limits(values: dict[str, object], groups) -> dict[int, tuple[str, Limit]]:
     """{action index: (group/joint, Limit)} from parameters named
-    joint_limits.<group>.<joint>.<lower|upper|velocity> (what a nested YAML mapping under
-    joint_limits becomes). groups: objects with name, joints and indices. ValueError names
-    the first parameter that is wrong."""
+    joint_limits.<group>.<joint>.<lower|upper|velocity|acceleration|jerk> (what a nested
+    YAML mapping under joint_limits becomes). groups: objects with name, joints and
+    indices. ValueError names the first parameter that is wrong."""
     by_group = {g.name: g for g in groups}
     entries: dict[tuple[str, str], dict[str, float]] = {}
     for name, value in values.items():
         parts = name.split('.')
         if len(parts) != 4 or parts[0] != 'joint_limits' or parts[3] not in KEYS:
-            raise ValueError(f'{name}: expected joint_limits.<group>.<joint>.lower, .upper '
-                             'or .velocity')
+            raise ValueError(f'{name}: expected joint_limits.<group>.<joint>.lower, .upper, '
+                             '.velocity, .acceleration or .jerk')
         _, group, joint, key = parts
         g = by_group.get(group)
         if g is None:
@@ -81,8 +92,9 @@ def parse_limits(values: dict[str, object], groups) -> dict[int, tuple[str, Limi
         if 'lower' in e and e['lower'] >= e['upper']:
             raise ValueError(f'{where}: lower {e["lower"]:g} must be below upper '
                              f'{e["upper"]:g}')
-        if 'velocity' in e and e['velocity'] <= 0:
-            raise ValueError(f'{where}.velocity must be > 0, got {e["velocity"]:g}')
+        for key in ('velocity', 'acceleration', 'jerk'):
+            if key in e and e[key] <= 0:
+                raise ValueError(f'{where}.{key} must be > 0, got {e[key]:g}')
         g = by_group[group]
         index = g.indices[g.joints.index(joint)]
         if index in out:
@@ -93,7 +105,8 @@ def parse_limits(values: dict[str, object], groups) -> dict[int, tuple[str, Limi
 
 
 class JointLimits:
-    """Position and speed limits per action index, and what they do to a command.
+    """Position, speed, acceleration and jerk limits per action index, and what they do to a
+    command.
 
     hold_margin: a fraction of a joint's range (upper - lower); a target or measured
     position beyond a limit by more than that is a reason to hold rather than clamp.
@@ -105,9 +118,12 @@ class JointLimits:
         self.lower = np.full(dim, -np.inf)
         self.upper = np.full(dim, np.inf)
         self.speed = np.full(dim, np.inf)
+        self.accel = np.full(dim, np.inf)
+        self.jerk = np.full(dim, np.inf)
         self.names = {}
         for i, (name, lim) in limits.items():
             self.lower[i], self.upper[i], self.speed[i] = lim.lower, lim.upper, lim.velocity
+            self.accel[i], self.jerk[i] = lim.acceleration, lim.jerk
             self.names[i] = name
         self.index = np.array(sorted(limits), dtype=np.int64)
         self.hold_margin = hold_margin
@@ -159,13 +175,17 @@ class JointLimits:
                 for i in self.index if over[i] > 0]
 
     def apply(self, times: np.ndarray, positions: np.ndarray, velocities: np.ndarray,
-              measured: np.ndarray | None) -> Limited:
-        """The points at `times` (s from now, increasing, > 0) limited: positions in range,
-        each step no faster than the joint's speed from the point before (the first from
-        `measured`, taken as being at time 0; NaN or None where unknown: the first point is
-        then only clamped), velocities recomputed from the limited points for the limited
-        joints (the others keep theirs). The last point is at rest. A joint measured beyond
-        its range is led back at its speed: its first points lie outside until it is in."""
+              measured: np.ndarray | None, moving: np.ndarray | None = None,
+              step: float = 0.0) -> Limited:
+        """The points at `times` (s from now, increasing, > 0) limited, for the limited
+        joints (the others keep theirs; all end at rest). The motion starts at time 0 at
+        `measured` (NaN or None where unknown: the first point is then only clamped, at
+        rest) moving at `moving` (the controller's velocity now; None or NaN: 0); `step`: the
+        longest first step a later command may have (its points' spacing). Positions
+        in range; velocities the given ones where the cubic through them stays monotone and
+        within the limits at its peak; points moved where it would not (see the module
+        docstring). A joint measured beyond its range is led back within its limits: its
+        first points lie outside until it is in."""
         times = np.asarray(times, dtype=np.float64)
         pos = np.array(positions, dtype=np.float64)
         vel = np.array(velocities, dtype=np.float64)
@@ -173,32 +193,63 @@ class JointLimits:
         idx = self.index
         if not len(idx):
             return Limited(pos, vel)
-        lo, hi, speed = self.lower[idx], self.upper[idx], self.speed[idx]
+        lim = self._at(idx)
+        lo, hi = lim[0], lim[1]
         start = (np.full(len(idx), np.nan) if measured is None
                  else np.asarray(measured, dtype=np.float64)[idx])
+        unknown = np.isnan(start)
+        w = (np.zeros(len(idx)) if moving is None
+             else np.asarray(moving, dtype=np.float64)[idx].copy())
+        w[~np.isfinite(w) | unknown] = 0.0
         raw = pos[:, idx]
-        dt = np.diff(times, prepend=0.0)
-        out = np.clip(raw, lo, hi)
-        steps = np.abs(np.diff(np.concatenate([start[None], out]), axis=0))
-        # Clamped points whose steps are all feasible stay as they are (the usual case); else
-        # each step is bounded in turn, as it depends on where the one before ended.
-        if not np.all((steps <= speed * dt[:, None]) | np.isnan(steps)):
-            prev = start
-            for k in range(len(raw)):
-                step = speed * dt[k]
-                # Into the range first, then within reach: a joint measured beyond its
-                # range comes back no faster than its speed, never in one jump.
-                ranged = np.clip(raw[k], lo, hi)
-                out[k] = np.where(np.isnan(prev), ranged,
-                                  np.clip(ranged, prev - step, prev + step))
-                prev = out[k]
+        goal = np.clip(raw, lo, hi)
+        h = np.diff(times, prepend=0.0)[:, None]
+        reach = max(float(h.max()), step)  # the longest step a command may start with
+        cap = _cap(times, lim[2], lim[3])
+        with np.errstate(invalid='ignore', divide='ignore'):
+            want = _monotone(vel[:, idx], start, goal, h)
+            want[0, unknown] = 0.0  # nothing to step from: the first point stands, at rest
+            # Each point as targeted, with its velocity, checked as the controller will move
+            # between them; only when one fails are the points after it placed in turn (each
+            # depends on where the one before ended).
+            ok = _fits(np.concatenate([start[None], goal[:-1]]),
+                       np.concatenate([w[None], want[:-1]]), goal, want, h, cap, reach, lim)
+            ok[0] |= unknown
+            out, v = goal, want
+            if not ok.all():
+                out, v = goal.copy(), want.copy()
+                off = np.zeros(len(idx), dtype=bool)  # placed away from its target
+                p, q = start, w
+                for k in range(len(times)):
+                    if off.any() or not ok[k].all():
+                        fine = _fits(p, q, goal[k], want[k], h[k], cap[k], reach, lim)
+                        if k == 0:
+                            fine |= unknown
+                        bp, bv = _toward(p, q, goal[k], h[k], reach, cap[k], lim[3])
+                        # From rest, a parabola to rest goes nowhere: a cubic to rest as
+                        # long as the limits allow gets there (a single point's only way).
+                        rest = (q == 0) & (bv == 0) & ~fine
+                        if rest.any():
+                            # Its peak: 6 / h^2 and 1.5 / h per unit moved, and the room to
+                            # stop (see _fits) 1.5 step / h more.
+                            room = np.where(goal[k] >= p, hi - p, p - lo) * (1 - 1e-9)
+                            d = np.minimum(np.minimum(lim[3] * h[k] ** 2 / 6,
+                                                      lim[2] * h[k] / 1.5),
+                                           np.maximum(room, 0.0) / (1 + 1.5 * reach / h[k]))
+                            rp = p + np.clip(goal[k] - p, -d, d)
+                            rest &= np.abs(rp - goal[k]) < np.abs(bp - goal[k])
+                            rest &= _fits(p, q, rp, 0.0, h[k], cap[k], reach, lim)
+                            bp, bv = np.where(rest, rp, bp), np.where(rest, 0.0, bv)
+                        out[k] = np.where(fine, goal[k], bp)
+                        v[k] = np.where(fine, want[k], bv)
+                        off = ~fine
+                    p, q = out[k], v[k]
         pos[:, idx] = out
-        vel[:, idx] = _velocities(np.concatenate([[0.0], times]),
-                                  np.concatenate([start[None], out]))
+        vel[:, idx] = v
         findings = []
         over = np.maximum(raw - hi, lo - raw)
         beyond = over.max(axis=0)
-        slowed = np.abs(out - np.clip(raw, lo, hi)).max(axis=0)
+        slowed = np.abs(out - goal).max(axis=0)
         for j, i in enumerate(idx):
             name = self.names[i]
             if beyond[j] > 0:
@@ -209,10 +260,56 @@ class JointLimits:
             if slowed[j] > 0:
                 findings.append(Finding('speed', name, float(slowed[j]),
                                         f'joint limits: {name} targets move faster than '
-                                        f'{speed[j]:.4g}/s; held back by up to {slowed[j]:.4g}'))
+                                        f'{self._rates(i)} allow; held back by up to '
+                                        f'{slowed[j]:.4g}'))
         if measured is not None:
             findings += self.outside(measured)
         return Limited(pos, vel, findings)
+
+    def stop(self, at: np.ndarray, moving: np.ndarray | None, step: float,
+             horizon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(times, positions, velocities) of a hold: where the robot is (`at`, [dim]), at
+        rest `step` s from now; a limited joint that is `moving` ([dim], the controller's
+        velocity now) brakes within its limits instead, as hard as they allow, points `step`
+        apart, no further ahead than `horizon` (the last at rest). Never clamped into range:
+        a hold must not move the robot anywhere but to a stop."""
+        at = np.asarray(at, dtype=np.float64)
+        idx = self.index
+        w = (np.zeros(len(idx)) if moving is None
+             else np.asarray(moving, dtype=np.float64)[idx].copy())
+        w[~np.isfinite(w) | ~np.isfinite(at[idx])] = 0.0
+        if not np.any(w):
+            return np.array([step]), at[None].copy(), np.zeros((1, len(at)))
+        lim = self._at(idx)
+        with np.errstate(invalid='ignore', divide='ignore'):
+            need = float(np.max(np.where(np.isfinite(lim[3]), np.abs(w) / lim[3], 0.0)))
+            m = max(1, min(int(horizon / step + 1e-9), math.ceil(need / step - 1e-9) + 1))
+            times = step * np.arange(1, m + 1)
+            cap = _cap(times, lim[2], lim[3])
+            x = at[idx]
+            pos = np.repeat(at[None], m, axis=0)
+            vel = np.zeros((m, len(at)))
+            p, q = x, w
+            for k in range(m):
+                # As hard as allowed: it keeps the room _reach says the command before
+                # left, from anywhere on the way.
+                q1 = np.where(np.abs(q) > lim[3] * step, q - np.sign(q) * lim[3] * step, 0.0)
+                q1 = np.where(cap[k] > 0, np.clip(q1, -cap[k], cap[k]), 0.0)
+                p, q = p + step * (q + q1) / 2, q1
+                pos[k, idx], vel[k, idx] = p, q
+        return times, pos, vel
+
+    def _at(self, idx):
+        return (self.lower[idx], self.upper[idx], self.speed[idx], self.accel[idx],
+                self.jerk[idx])
+
+    def _rates(self, i: int) -> str:
+        parts = [f'{self.speed[i]:.4g}/s']
+        if np.isfinite(self.accel[i]):
+            parts.append(f'{self.accel[i]:.4g}/s^2')
+        if np.isfinite(self.jerk[i]):
+            parts.append(f'{self.jerk[i]:.4g}/s^3')
+        return ', '.join(parts)
 
 
 def describe(limits: JointLimits | None, names: list[str]) -> str:
@@ -225,15 +322,107 @@ def describe(limits: JointLimits | None, names: list[str]) -> str:
     return text + (f'; none on {", ".join(free)}' if free else '')
 
 
-def _velocities(times: np.ndarray, points: np.ndarray) -> np.ndarray:
-    """Velocities at points[1:] (points[0] is where the motion starts, NaN where unknown):
-    the smaller of the two neighbouring slopes where they agree in sign, else 0 (a turn, a
-    flat, or an unknown start), and 0 at the end. No steeper than either neighbouring step,
-    so the controller's cubic through points and velocities stays monotone between two
-    points: it never overshoots a point, and so never a limit the points respect."""
-    slopes = np.diff(points, axis=0) / np.diff(times)[:, None]  # step k ends at point k+1
-    left, right = slopes[:-1], slopes[1:]
-    # NaN (no start) compares False: velocity 0.
-    v = np.where(left * right > 0, np.sign(right) * np.minimum(np.abs(left), np.abs(right)),
-                 0.0)
-    return np.concatenate([v, np.zeros((1, points.shape[1]))])
+def velocity_at(t, start, moving, times, positions, velocities):
+    """[dim] the velocity at t (s from its start) of the motion joint_trajectory_controller
+    makes of a command: a cubic Hermite from (start, moving) at 0 to the first point, then
+    from point to point; at rest after the last. moving None: 0; NaN where unknown."""
+    start = np.asarray(start, dtype=np.float64)
+    w = np.zeros_like(start) if moving is None else np.asarray(moving, dtype=np.float64)
+    if t >= times[-1]:
+        return np.zeros_like(start)
+    t = max(t, 0.0)
+    k = int(np.searchsorted(times, t, side='right'))
+    ta, pa, va = (0.0, start, w) if k == 0 else (times[k - 1], positions[k - 1],
+                                                 velocities[k - 1])
+    h = times[k] - ta
+    u = (t - ta) / h
+    s = (positions[k] - pa) / h
+    return s + (va - s) * (1 - 4 * u + 3 * u * u) + (velocities[k] - s) * (3 * u * u - 2 * u)
+
+
+def _reach(speed, accel, step):
+    """How much room a joint moving at `speed` needs before a limit so that braking at
+    `accel` keeps it out, whenever a new command restarts its motion: the continuous
+    v^2 / 2a, plus one step at that speed (a command's first point may lie a whole step
+    ahead, and a joint can stop no earlier than at a point)."""
+    return speed * speed / (2 * accel) + speed * step
+
+
+def _cap(times, speed, accel):
+    """[n, J] the largest speed at each point from which the joint can still be at rest at
+    the last point."""
+    rest = (times[-1] - times)[:, None]
+    with np.errstate(invalid='ignore'):
+        return np.minimum(speed, np.where(rest > 0, accel * rest, 0.0))
+
+
+def _monotone(given, start, goal, h):
+    """The given velocities at the points, made to keep the cubic from each point to the
+    next monotone (Fritsch and Carlson's sufficient condition): 0 unless both neighbouring
+    steps (the first from `start`) go its way, and at most 3 times the slower one's mean
+    speed. The last point is at rest."""
+    s = np.diff(np.concatenate([start[None], goal]), axis=0) / h
+    right = np.concatenate([s[1:], np.zeros((1, s.shape[1]))])
+    bound = 3 * np.minimum(np.abs(s), np.abs(right))
+    v = np.clip(given, -bound, bound)
+    return np.where((v * s > 0) & (v * right > 0), v, 0.0)
+
+
+def _fits(p0, v0, p1, v1, h, cap, step, lim):
+    """Whether the cubic Hermite the controller moves along from (p0, v0) to (p1, v1) in h
+    s is monotone and within the limits at its peak, and the joint can still stop in its
+    range and by the last point (|v1| <= cap)."""
+    lo, hi, speed, accel, jerk = lim
+    s = (p1 - p0) / h
+    # The acceleration is linear in time: its peaks are at the ends; the jerk is constant.
+    a0 = (6 * s - 4 * v0 - 2 * v1) / h
+    a1 = (2 * v0 + 4 * v1 - 6 * s) / h
+    ok = np.maximum(np.abs(a0), np.abs(a1)) <= accel * (1 + TOL)
+    ok &= np.abs(a1 - a0) / h <= jerk * (1 + TOL)
+    # The speed peaks at an end or where the acceleration changes sign (the velocity is a
+    # parabola): a0 * u h / 2 past v0 at the fraction u of the step.
+    turn = a0 * a1 < 0
+    u = np.where(turn, a0 / np.where(turn, a0 - a1, 1.0), 0.0)
+    ends = np.maximum(np.abs(v0), np.abs(v1))
+    inner = np.abs(v0 + a0 * u * h / 2)
+    top = np.where(turn, np.maximum(ends, inner), ends)
+    ok &= top <= speed * (1 + TOL)
+    slack = 3 * np.abs(s) * (1 + TOL)
+    ok &= (s * v0 >= 0) & (s * v1 >= 0) & (np.abs(v0) <= slack) & (np.abs(v1) <= slack)
+    ok &= np.abs(v1) <= cap * (1 + TOL)
+    # Room to stop, from anywhere on the way (a new command may start at any moment): what
+    # the end needs, plus a step for each unit of speed lost before it (braking at a step's
+    # distance per unit of speed lost is what the end's room does not cover).
+    bottom = np.where(turn, np.minimum(np.minimum(np.abs(v0), np.abs(v1)), inner),
+                      np.minimum(np.abs(v0), np.abs(v1)))
+    end = p1 + np.sign(s) * (_reach(np.abs(v1), accel, step) + (top - bottom) * step)
+    return ok & (end <= hi + 1e-12) & (end >= lo - 1e-12)
+
+
+def _toward(p, v, goal, h, step, cap, accel):
+    """(position, velocity) h s on from (p, v), moving with constant acceleration (the
+    controller's cubic is then a parabola: velocity linear, its peak at an end, no turn
+    inside), as close to `goal` as the limits allow while it keeps the room to stop there
+    (_reach; _fits' room condition for this parabola). The velocity changes by at most
+    accel * h, stays within cap and does not change sign (a reversal passes through rest
+    at a point); too fast to keep to cap, it brakes at accel. At rest where cap is 0 (the
+    last point)."""
+    # In the frame where the goal lies ahead of where the joint would stop.
+    sign = np.where(goal >= p + np.sign(v) * _reach(np.abs(v), accel, step), 1.0, -1.0)
+    x, w, g = sign * p, sign * v, sign * goal
+    # Speeding up (the room needed grows by a step per unit of speed gained) ...
+    b = h / 2 + 2 * step
+    c = g - x - h * w / 2 + w * step
+    up = 2 * c / (b + np.sqrt(b * b + 2 * np.abs(c) / accel))
+    # ... or slowing down (the room still needed is the start's).
+    c = g - x - h * w / 2 - w * step
+    down = 2 * c / (h / 2 + np.sqrt(h * h / 4 + 2 * np.abs(c) / accel))
+    want = np.where(w < 0, np.inf, np.where(up >= w, up, down))  # moving away: turn back
+    dv = accel * h
+    low = np.maximum(v - dv, -cap)
+    high = np.minimum(v + dv, cap)
+    low = np.where(v > 0, np.maximum(low, 0.0), low)
+    high = np.where(v < 0, np.minimum(high, 0.0), high)
+    v1 = np.where(low > high, v - np.sign(v) * dv, np.clip(sign * want, low, high))
+    v1 = np.where(cap > 0, v1, 0.0)
+    return p + h * (v + v1) / 2, v1

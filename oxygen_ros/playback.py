@@ -6,8 +6,10 @@ only the first n actions of the chunk. When there is nothing left to play (chunk
 inputs stale, model failure, deactivate, shutdown) it says "hold" once: one point at the
 last measured positions with zero velocity, which replaces whatever the controller is
 executing. With joint limits (limits.py) every published point is limited, and a chunk
-whose targets lie too far beyond them is dropped for a hold. Plain numpy in and out, so
-the tests drive it without ROS.
+whose targets lie too far beyond them is dropped for a hold; the motion is limited from
+the controller's current state, the measured positions moving at the velocity of the last
+published trajectory at that time, and a hold of a moving joint brakes within its limits.
+Plain numpy in and out, so the tests drive it without ROS.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from oxygen_ros.limits import Finding, JointLimits
+from oxygen_ros.limits import Finding, JointLimits, velocity_at
 
 
 @dataclass
@@ -95,6 +97,9 @@ class Player:
         self._hold: str | None = None  # a hold still to be published, and why
         # (chunk, first action, targets, velocities) of the last re-anchoring.
         self._anchor: tuple | None = None
+        # (time, start positions, start velocities, times, positions, velocities) of the
+        # last limited command: where the controller is moving now.
+        self._sent: tuple | None = None
         self._lock = threading.Lock()
 
     @property
@@ -141,7 +146,7 @@ class Player:
                 why, self._hold = self._hold, None
                 if why is None:
                     return None
-                return self._hold_command(why, hold_at)
+                return self._hold_command(why, hold_at, now)
         times = chunk.stamp + chunk.period * np.arange(first, last) - now
         n = int(np.searchsorted(times, self.horizon, side='right'))
         if n == 0:
@@ -170,18 +175,34 @@ class Player:
             with self._lock:
                 if self._chunk is chunk:
                     self._chunk = None
-            return self._hold_command(why, lambda: at)
-        out = self.limits.apply(times[:n], positions[:n], vel[:n], at)
+            return self._hold_command(why, lambda: at, now)
+        moving = self.moving(now)
+        out = self.limits.apply(times[:n], positions[:n], vel[:n], at, moving,
+                                max(chunk.period, self.hold_after))
+        self._sent = (now, at, moving, times[:n], out.positions, out.velocities)
         return Command(times[:n], out.positions, out.velocities, findings=out.findings)
 
-    def _hold_command(self, why: str, hold_at) -> Command:
+    def moving(self, now: float) -> np.ndarray | None:
+        """The velocities the controller moves at `now` along the last limited command
+        (None before the first)."""
+        if self._sent is None:
+            return None
+        t, at, w, times, pos, vel = self._sent
+        return velocity_at(now - t, at, w, times, pos, vel)
+
+    def _hold_command(self, why: str, hold_at, now: float) -> Command:
         if hold_at is None:
             raise ValueError('a hold needs the positions to hold at')
         pos = np.asarray(hold_at(), dtype=np.float64)
-        # Exactly where the robot is, even beyond a limit: a hold must not move it (said instead).
-        seen = self.limits.outside(pos) if self.limits is not None else []
-        return Command(np.array([self.hold_after]), pos[None], np.zeros((1, len(pos))),
-                       hold=why, findings=seen)
+        if self.limits is None:
+            return Command(np.array([self.hold_after]), pos[None], np.zeros((1, len(pos))),
+                           hold=why)
+        # Where the robot is, even beyond a limit: a hold must not move it (said instead),
+        # except that a moving joint brakes to rest within its limits.
+        moving = self.moving(now)
+        times, p, v = self.limits.stop(pos, moving, self.hold_after, self.horizon)
+        self._sent = (now, pos, moving, times, p, v)
+        return Command(times, p, v, hold=why, findings=self.limits.outside(pos))
 
     def _anchored(self, chunk, first, measured, positions, vel):
         """Targets re-anchored on the state measured when action `first` became the next

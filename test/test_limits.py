@@ -1,5 +1,7 @@
-"""Joint limits without ROS: the clamping and speed limiting of published points against
-hand computations, velocities from the limited points, the hold left exactly where the robot
+"""Joint limits without ROS: the clamping and the speed and acceleration limiting of
+published points against hand computations (the controller's cubic between them, at its
+peak), the velocities kept monotone, braking holds, the controller's velocity the Player
+starts from, the hold left exactly where the robot
 is, the margin beyond which the robot holds instead, the start errors, and the limits the
 shipped robot files carry."""
 import math
@@ -16,46 +18,75 @@ from oxygen_ros.playback import Player, make_chunk
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def one_joint(lower=-1.0, upper=1.0, velocity=2.0, margin=0.1, dim=2):
+def one_joint(lower=-1.0, upper=1.0, velocity=2.0, margin=0.1, dim=2, acceleration=math.inf):
     # Action 0 limited, action 1 free.
-    return JointLimits(dim, {0: ('arm/j', Limit(lower, upper, velocity))}, margin)
+    return JointLimits(dim, {0: ('arm/j', Limit(lower, upper, velocity, acceleration))},
+                       margin)
 
 
-def test_clamp_and_speed_by_hand():
-    lim = one_joint()
-    times = np.array([0.1, 0.2, 0.3])
-    raw = np.array([[1.5, 7.0], [0.2, 8.0], [-0.9, 9.0]])
-    vel = np.array([[5.0, 10.0], [5.0, 10.0], [5.0, 10.0]])
-    out = lim.apply(times, raw, vel, measured=np.array([0.9, 6.0]))
-    # Steps of at most 2/s * 0.1 s = 0.2 from the point before, the first from 0.9, then
-    # into [-1, 1]: 0.9 -> min(1.1, 1.5) = 1.1 -> 1.0; 1.0 -> max(0.8, 0.2) = 0.8;
-    # 0.8 -> max(0.6, -0.9) = 0.6.
-    np.testing.assert_allclose(out.positions[:, 0], [1.0, 0.8, 0.6])
-    # Slopes from the measured 0.9: +1, -2, -2 per s. A turn at the first point (0), -2
-    # where both neighbours agree, at rest at the end.
-    np.testing.assert_allclose(out.velocities[:, 0], [0.0, -2.0, 0.0])
+def test_clamp_and_a_single_step_by_hand():
+    lim = one_joint()  # [-1, 1], 2/s, no acceleration limit
+    out = lim.apply(np.array([0.1]), np.array([[1.5, 7.0]]), np.array([[5.0, 10.0]]),
+                    measured=np.array([0.9, 6.0]))
+    # 1.5 is clamped to 1; a single point is at rest, so the controller moves along
+    # 3u^2 - 2u^3 from 0.9: peak speed 1.5 x the mean. Going d in 0.1 s, from anywhere on
+    # the way it must still be able to stop a step (0.1 s) ahead at its peak speed 15 d
+    # before the limit: 0.9 + d + 1.5 d <= 1, so d = 0.1 / 2.5 = 0.04 (its peak 0.6/s).
+    np.testing.assert_allclose(out.positions[:, 0], [0.94])
+    np.testing.assert_array_equal(out.velocities[:, 0], [0.0])
     # The free joint is untouched, but ends at rest.
-    np.testing.assert_array_equal(out.positions[:, 1], [7.0, 8.0, 9.0])
-    np.testing.assert_array_equal(out.velocities[:, 1], [10.0, 10.0, 0.0])
+    np.testing.assert_array_equal(out.positions[:, 1], [7.0])
+    np.testing.assert_array_equal(out.velocities[:, 1], [0.0])
     found = {f.kind: f for f in out.findings}
     assert set(found) == {'position', 'speed'}
-    # 1.5 lies 0.5 above the range; speed held -0.9 back to 0.6, by 1.5.
     assert found['position'].amount == pytest.approx(0.5)
-    assert found['speed'].amount == pytest.approx(1.5)
+    assert found['speed'].amount == pytest.approx(0.06)
     assert found['position'].joint == 'arm/j'
     assert 'arm/j target 1.5, above its upper limit 1 by 0.5' in found['position'].text
-    assert 'faster than 2/s; held back by up to 1.5' in found['speed'].text
+    assert 'faster than 2/s allow; held back by up to 0.06' in found['speed'].text
+
+
+def test_a_single_step_from_rest_by_its_acceleration():
+    # No range; 2/s and 10/s^2. Rest to rest in 0.1 s: the cubic's acceleration peaks at
+    # 6 d / h^2 (at both ends), so d = 10 * 0.01 / 6; its speed then peaks at 0.25/s.
+    lim = JointLimits(1, {0: ('arm/j', Limit(velocity=2.0, acceleration=10.0))}, 0.1)
+    out = lim.apply(np.array([0.1]), np.array([[1.0]]), np.zeros((1, 1)), np.array([0.0]))
+    np.testing.assert_allclose(out.positions[:, 0], [1 / 60])
+    # With the speed the tighter one (0.1/s: d = 0.1 * 0.1 / 1.5).
+    lim = JointLimits(1, {0: ('arm/j', Limit(velocity=0.1, acceleration=10.0))}, 0.1)
+    out = lim.apply(np.array([0.1]), np.array([[1.0]]), np.zeros((1, 1)), np.array([0.0]))
+    np.testing.assert_allclose(out.positions[:, 0], [0.1 * 0.1 / 1.5])
 
 
 def test_feasible_points_pass_unchanged():
-    lim = one_joint()
-    times = np.array([0.05, 0.15, 0.25])
-    raw = np.array([[0.1, 0.0], [0.25, 0.0], [0.3, 0.0]])
-    out = lim.apply(times, raw, np.zeros((3, 2)), measured=np.array([0.0, 0.0]))
+    # Moving at 1/s from 0, two steps at 1/s (the cubic a straight line), then 0.05 in the
+    # last 0.1 s to rest: a parabola braking at exactly 10/s^2. Room to stop before 1 after
+    # the second point: 0.2 + 1^2 / 20 + 1 * 0.1 = 0.35.
+    times = np.array([0.1, 0.2, 0.3])
+    raw = np.array([[0.1, 0.0], [0.2, 0.0], [0.25, 0.0]])
+    vel = np.array([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    out = one_joint(acceleration=10.0).apply(times, raw, vel, measured=np.array([0.0, 0.0]),
+                                             moving=np.array([1.0, 0.0]))
     np.testing.assert_array_equal(out.positions, raw)
+    np.testing.assert_array_equal(out.velocities[:, 0], [1.0, 1.0, 0.0])
     assert out.findings == []
-    # Slopes 2, 1.5, 0.5: the smaller neighbour each time, at rest at the end.
-    np.testing.assert_allclose(out.velocities[:, 0], [1.5, 0.5, 0.0])
+    # At 9.9/s^2 the last step cannot brake in time: the points are moved, and say so.
+    out = one_joint(acceleration=9.9).apply(times, raw, vel, measured=np.array([0.0, 0.0]),
+                                            moving=np.array([1.0, 0.0]))
+    assert not np.array_equal(out.positions, raw)
+    assert [f.kind for f in out.findings] == ['speed']
+    assert 'faster than 2/s, 9.9/s^2 allow' in out.findings[0].text
+
+
+def test_velocities_keep_each_cubic_monotone():
+    # The given velocities, except 0 where the neighbouring steps disagree in direction
+    # (a turn) and at most 3 x the slower neighbour's mean speed (Fritsch and Carlson).
+    lim = JointLimits(1, {0: ('arm/j', Limit(velocity=100.0))}, 0.1)
+    times = np.array([0.1, 0.2, 0.3, 0.4])
+    raw = np.array([[0.1], [0.2], [0.1], [0.3]])  # slopes 1, 1, -1, 2 from 0
+    out = lim.apply(times, raw, np.array([[5.0], [0.5], [-3.0], [7.0]]), np.array([0.0]))
+    np.testing.assert_allclose(out.velocities[:, 0], [3.0, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(out.positions, raw)
 
 
 def test_random_commands_are_in_range_and_speed_feasible():
@@ -95,9 +126,10 @@ def test_measured_beyond_a_limit_comes_back_at_its_speed():
     times = np.array([0.1, 0.2, 0.3, 0.4])
     out = lim.apply(times, np.full((4, 2), 0.5), np.zeros((4, 2)),
                     measured=np.array([1.3, 0.0]))
-    # 0.1 a step towards 0.5, from 1.3: back inside the range at the third point, never
-    # the 0.3 jump to the limit.
-    np.testing.assert_allclose(out.positions[:, 0], [1.2, 1.1, 1.0, 0.9])
+    # From rest to 1/s in the first step (constant acceleration: 0.05), 0.1 a step at 1/s,
+    # at rest at the last (0.05 again): back inside the range at the last point, never the
+    # 0.3 jump to the limit.
+    np.testing.assert_allclose(out.positions[:, 0], [1.25, 1.15, 1.05, 1.0])
     np.testing.assert_allclose(out.velocities[:, 0], [-1.0, -1.0, -1.0, 0.0])
     assert {f.kind for f in out.findings} == {'speed', 'measured'}
 
@@ -106,9 +138,25 @@ def test_unknown_start_only_clamps_the_first_point():
     lim = one_joint()
     out = lim.apply(np.array([0.1, 0.2]), np.array([[0.9, 0.0], [-0.5, 0.0]]),
                     np.zeros((2, 2)), measured=np.array([np.nan, 0.0]))
-    # 0.9 stands (nothing to step from); then at most 0.2 below it.
-    np.testing.assert_allclose(out.positions[:, 0], [0.9, 0.7])
+    # 0.9 stands, at rest (nothing to step from); then rest to rest in 0.1 s at a peak of
+    # 2/s: 0.1 * 2 / 1.5 below it.
+    np.testing.assert_allclose(out.positions[:, 0], [0.9, 0.9 - 0.2 / 1.5])
     np.testing.assert_allclose(out.velocities[:, 0], [0.0, 0.0])
+
+
+def test_a_hold_brakes_a_moving_joint_by_hand():
+    lim = one_joint(acceleration=10.0)
+    times, pos, vel = lim.stop(np.array([0.3, 4.0]), np.array([1.0, 5.0]), 0.05, 1.0)
+    # 1/s to rest at 10/s^2: 0.1 s and 0.05 of travel (v^2 / 2a), in points 0.05 s apart.
+    np.testing.assert_allclose(times, [0.05, 0.1, 0.15])
+    np.testing.assert_allclose(pos[:, 0], [0.3375, 0.35, 0.35])
+    np.testing.assert_allclose(vel[:, 0], [0.5, 0.0, 0.0])
+    np.testing.assert_array_equal(pos[:, 1], [4.0] * 3)  # free: where it is
+    # Not moving: one point exactly where it is, even beyond the range.
+    times, pos, vel = lim.stop(np.array([1.2, 4.0]), np.array([0.0, 5.0]), 0.05, 1.0)
+    np.testing.assert_array_equal(times, [0.05])
+    np.testing.assert_array_equal(pos, [[1.2, 4.0]])
+    np.testing.assert_array_equal(vel, [[0.0, 0.0]])
 
 
 def test_hold_margin_is_a_fraction_of_the_range():
@@ -133,14 +181,41 @@ def ramp_chunk(values, period=0.1, stamp=0.0):
 def test_player_publishes_limited_points():
     p = Player(horizon=1.0, limits=one_joint())
     p.play(ramp_chunk([0.0, 0.5, 1.1, 1.15, 1.1]))  # 0.15 beyond at most: clamped
-    cmd = p.tick(0.05, hold_at=lambda: np.array([0.0, 0.0]))
-    # Actions 1.. at 0.05, 0.15, 0.25, 0.35 s from now; from 0: min(0.1, 0.5) = 0.1, then
-    # +0.2 per 0.1 s: 0.3, 0.5, 0.7.
+    at = np.array([0.0, 0.0])
+    cmd = p.tick(0.05, hold_at=lambda: at)
     np.testing.assert_allclose(cmd.times, [0.05, 0.15, 0.25, 0.35])
-    np.testing.assert_allclose(cmd.positions[:, 0], [0.1, 0.3, 0.5, 0.7])
-    np.testing.assert_allclose(cmd.velocities[:, 0], [2.0, 2.0, 2.0, 0.0])
+    # What the limits make of the same points from where the robot is, at rest.
+    ref = one_joint().apply(cmd.times, np.array([[0.5, 0], [1.1, 0], [1.15, 0], [1.1, 0]]),
+                            make_chunk(0.0, 0.1, np.array([[0.0, 0], [0.5, 0], [1.1, 0],
+                                                           [1.15, 0], [1.1, 0]])).velocities[1:],
+                            at)
+    np.testing.assert_array_equal(cmd.positions, ref.positions)
+    np.testing.assert_array_equal(cmd.velocities, ref.velocities)
+    assert np.all(cmd.positions[:, 0] <= 1.0)
     assert cmd.hold is None and cmd.clamped
     assert {f.kind for f in cmd.findings} == {'position', 'speed'}
+
+
+def test_player_starts_from_the_controllers_velocity():
+    # Unlimited range, 100/s: a ramp at 10/s passes as given.
+    lim = JointLimits(1, {0: ('arm/j', Limit(velocity=100.0))}, 0.1)
+    p = Player(horizon=1.0, limits=lim)
+    p.play(make_chunk(0.0, 0.1, np.arange(5.0)[:, None]))
+    cmd = p.tick(0.0, hold_at=lambda: np.array([0.0]))
+    np.testing.assert_allclose(cmd.positions[:, 0], [1, 2, 3, 4])
+    np.testing.assert_allclose(cmd.velocities[:, 0], [10, 10, 10, 0])
+    # Halfway to the first point, the cubic from (0, 0) to (1, 10) in 0.1 s moves at
+    # 10 + (0 - 10)(1 - 2 + 0.75) + (10 - 10)(0.75 - 1) = 12.5/s.
+    assert p.moving(0.05)[0] == pytest.approx(12.5)
+    assert p.moving(0.4)[0] == 0.0  # past the last point: at rest
+    # A hold from there brakes (no acceleration limit: to rest in one step, 0.01 * 12.5 / 2
+    # on); with no motion it would be the single point where the robot is.
+    p.stop('deactivated')
+    cmd = p.tick(0.05, hold_at=lambda: np.array([0.5]))
+    assert cmd.hold == 'deactivated'
+    np.testing.assert_allclose(cmd.times, [0.01])
+    np.testing.assert_allclose(cmd.positions[:, 0], [0.5 + 0.0625])
+    np.testing.assert_array_equal(cmd.velocities, [[0.0]])
 
 
 def test_player_holds_instead_when_a_target_is_far_beyond():
@@ -185,9 +260,10 @@ def test_reanchored_chunks_are_judged_by_the_step_now_starting():
     at = np.array([0.9, 0.0])
     cmd = p.tick(0.05, measured=lambda: at, hold_at=lambda: at)
     # The targets 1.05, 1.2, 1.35 run past the limit (the last by more than the margin) only
-    # because the arm moves toward it: clamped, not held. Steps of at most 0.1 from 0.9.
+    # because the arm moves toward it: clamped, not held; toward the limit, never past it.
     assert cmd.hold is None
-    np.testing.assert_allclose(cmd.positions[:, 0], [0.95, 1.0, 1.0])
+    assert np.all(cmd.positions[:, 0] <= 1.0) and np.all(np.diff(cmd.positions[:, 0]) >= 0)
+    assert cmd.positions[-1, 0] > 0.9
     # A step target itself beyond the margin holds.
     p.play(make_chunk(0.0, 0.1, np.zeros((4, 2)), reanchor=lambda first, state: np.full(
         (4 - first, 2), state[0] + 0.5)))
@@ -223,9 +299,13 @@ def test_limits_from_parameters():
                             'joint_limits.arm.fr3_joint2.lower': -1,
                             'joint_limits.arm.fr3_joint2.upper': 1.5,
                             'joint_limits.arm.fr3_joint2.velocity': 2,
+                            'joint_limits.arm.fr3_joint2.acceleration': 10,
+                            'joint_limits.arm.fr3_joint2.jerk': 5000.5,
                             'joint_limits.gripper.gripper.velocity': 0.5})
     lim = c.limits
     assert (lim.lower[1], lim.upper[1], lim.speed[1]) == (-1.0, 1.5, 2.0)
+    assert (lim.accel[1], lim.jerk[1]) == (10.0, 5000.5)
+    assert lim.accel[7] == math.inf and lim.jerk[7] == math.inf  # a speed only
     assert lim.speed[7] == 0.5 and lim.lower[7] == -math.inf
     assert lim.margin[1] == pytest.approx(0.625)
     assert list(lim.index) == [1, 7]
@@ -253,6 +333,17 @@ def test_limits_from_parameters():
      'joint_limits.arm.fr3_joint1.upper must be finite, got inf'),
     ({'joint_limits.arm.fr3_joint1.velocity': math.nan},
      'joint_limits.arm.fr3_joint1.velocity must be finite, got nan'),
+    ({'joint_limits.arm.fr3_joint1.acceleration': 0.0},
+     'joint_limits.arm.fr3_joint1.acceleration must be > 0, got 0'),
+    ({'joint_limits.arm.fr3_joint1.jerk': -5.0},
+     'joint_limits.arm.fr3_joint1.jerk must be > 0, got -5'),
+    ({'joint_limits.arm.fr3_joint1.acceleration': math.inf},
+     'joint_limits.arm.fr3_joint1.acceleration must be finite, got inf'),
+    ({'joint_limits.arm.fr3_joint1.jerk': True},
+     'joint_limits.arm.fr3_joint1.jerk must be a number, got True'),
+    ({'joint_limits.arm.fr3_joint1.accel': 10.0},
+     r'joint_limits.arm.fr3_joint1.accel: expected joint_limits.<group>.<joint>.lower, .upper, '
+     r'.velocity, .acceleration or .jerk'),
     ({'joint_limits.arm.fr3_joint1.lower': -1.0},
      'joint_limits.arm.fr3_joint1: lower and upper go together'),
     ({'joint_limits.arm.fr3_joint1.lowr': -1.0},
@@ -300,6 +391,10 @@ def test_shipped_droid_limits_are_franka_and_robotiq():
     np.testing.assert_array_equal(lim.upper, [2.7437, 1.7837, 2.9007, -0.1518, 2.8065,
                                               4.5169, 3.0159, 0.8])
     np.testing.assert_array_equal(lim.speed, [2.62, 2.62, 2.62, 2.62, 5.26, 4.18, 5.26, 0.5])
+    # libfranka include/franka/rate_limiting.h: 10 rad/s^2 and 5000 rad/s^3, less its
+    # kLimitEps 1e-3; the Robotiq states no acceleration.
+    np.testing.assert_allclose(lim.accel, [10 - 1e-3] * 7 + [math.inf])
+    np.testing.assert_allclose(lim.jerk, [5000 - 1e-3] * 7 + [math.inf])
 
 
 def test_shipped_aloha_limits_are_the_vx300s():
@@ -313,6 +408,8 @@ def test_shipped_aloha_limits_are_the_vx300s():
         np.testing.assert_allclose(lim.lower[arm], arm_lo, atol=1e-8)
         np.testing.assert_allclose(lim.upper[arm], arm_hi, atol=1e-8)
     np.testing.assert_allclose(lim.speed, math.pi, atol=1e-8)
+    # Interbotix states no acceleration or jerk the arm enforces.
+    assert np.all(lim.accel == math.inf) and np.all(lim.jerk == math.inf)
     # The gripper servo: a speed, no position range.
     for g in (6, 13):
         assert lim.lower[g] == -math.inf and lim.upper[g] == math.inf
