@@ -11,9 +11,9 @@ import time
 import pytest
 
 pytest.importorskip('rclpy')
-import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
-
 from test_node import ARM, PARAMS, Robot, node_process, wait_for  # noqa: E402
+
+import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'tools'))
 from node_load import jtc_problems  # noqa: E402

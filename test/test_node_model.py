@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 
 rclpy = pytest.importorskip('rclpy')
-import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
-
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
 from test_lerobot_policy import CHUNK, STATE_DIM, weights, write_policy  # noqa: E402, F401
 from test_node import (  # noqa: E402
@@ -24,6 +22,8 @@ from test_node import (  # noqa: E402
     write_params,
 )
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
 
 
 # A robot that fits the policy of test_lerobot_policy: cameras named as its features, a
