@@ -314,9 +314,9 @@ def test_missing_joint_at_start_is_reported(robot):
 
 
 def test_trajectories_are_well_formed(robot):
-    # The rate itself is a benchmark's (tools/node_load.py), not a unit test's.
+    # At half the control rate or more; the rate itself is tools/node_load.py's.
     start = len(robot.traj)
-    assert wait_for(lambda: len(robot.traj) >= start + 50, 60), robot.log()[-2000:]
+    assert_alive_and_commanding(robot)
     for _, m in robot.traj[start:start + 50]:
         assert m.joint_names == ARM
         assert m.header.stamp.sec == 0 and m.header.stamp.nanosec == 0
