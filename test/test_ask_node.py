@@ -53,17 +53,6 @@ class Asker(User):
         node.create_subscription(Ask.Impl.FeedbackMessage, '/oxygen_node/ask/_action/feedback',
                                  lambda m: self.wire.append(m.feedback),
                                  QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE))
-        self.diag_at = 0.0
-
-    def _on_diag(self, msg):
-        super()._on_diag(msg)
-        self.diag_at = time.monotonic()
-
-    def fresh_diag(self):
-        """A diagnostics report made after this call."""
-        t = time.monotonic()
-        assert wait_for(lambda: self.diag_at > t + 0.05, 5), 'no diagnostics'
-        return dict(self.diag)
 
     def send(self, *questions, budget=0):
         """All sent before any is waited for, so they reach the node together."""

@@ -256,7 +256,7 @@ class YuvRobot:
 
 @needs_bridge
 def test_yuv422_camera_drives_the_node(tmp_path):
-    from test_node import PARAMS, chunk_messages, keeps_commanding, node_process, wait_for
+    from test_node import PARAMS, keeps_commanding, node_process, wait_for
 
     import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
 
@@ -266,7 +266,7 @@ def test_yuv422_camera_drives_the_node(tmp_path):
         assert wait_for(lambda: len(robot.traj) > 20 or proc.poll() is not None, 60), \
             robot.log()[-3000:]
         assert proc.poll() is None, robot.log()[-3000:]
-        commanding = keeps_commanding(robot.traj, chunk_messages(params),
+        commanding = keeps_commanding(robot.traj, params['control_rate_hz'],
                                       lambda: proc.poll() is None)
         log = robot.log()
     assert commanding, log[-3000:]

@@ -109,21 +109,31 @@ def rate(received, seconds):
     return (len(received) - start) / seconds
 
 
-def chunk_messages(params, horizon=4):
-    """The most trajectories one chunk of `horizon` actions (the tiny model's 4) gives a
-    topic: one per control tick while its actions lie ahead, a tick either side, and the
-    hold when it runs out."""
-    action_rate = params['action_rate_hz'] or params['control_rate_hz']
-    return math.ceil(params['control_rate_hz'] * horizon / action_rate) + 3
+# Liveness: within some WINDOW seconds at least half the trajectories control_rate_hz gives
+# over it must arrive. A stalled node, or a control loop of a few Hz, fails; the exact rate
+# and its gaps are tools/node_load.py's.
+WINDOW = 2.0
 
 
-def keeps_commanding(received, per_chunk, alive=lambda: True, timeout=60.0):
-    """Whether more trajectories than two chunks can give arrive in `received` within a
-    generous `timeout`: the node made and played new chunks since the call. No clock is
-    involved, so a slow machine only makes it wait longer; a node that stopped commanding
-    sends at most the rest of its last chunk and a hold. The rate is tools/node_load.py's."""
-    want = len(received) + 2 * per_chunk + 1
-    return wait_for(lambda: len(received) >= want or not alive(), timeout) and alive()
+def arrival(entry):
+    """The arrival time of an entry of a received list: (time, msg) pairs or bare times."""
+    return entry[0] if isinstance(entry, tuple) else entry
+
+
+def keeps_commanding(received, rate_hz, alive=lambda: True, window=WINDOW, timeout=30.0):
+    """Whether, after the call, `received` gets at least half of `rate_hz` x `window`
+    trajectories within some `window` seconds, before `timeout`. Counted over a sliding
+    window, so a node still recovering from a hold when the call is made passes once it
+    commands steadily; arrivals bunched by a slow receiver cannot make up a slow sender,
+    which never gets the count together."""
+    start = len(received)
+    want = math.ceil(0.5 * rate_hz * window)
+
+    def met():
+        t = np.array([arrival(x) for x in list(received)[start:]])
+        return len(t) >= want and bool(np.any(t[want - 1:] - t[:len(t) - want + 1] <= window))
+
+    return wait_for(lambda: not alive() or met(), timeout, step=0.1) and alive() and met()
 
 
 class Robot:
@@ -149,6 +159,7 @@ class Robot:
         self.narration = []
         self.texts = []
         self.diag: dict[str, str] = {}
+        self.diag_at = 0.0  # when the last report came
         reliable = QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE)
         node.create_subscription(JointTrajectory, '/arm_controller/joint_trajectory',
                                  lambda m: self.traj.append((time.monotonic(), m)), reliable)
@@ -193,6 +204,13 @@ class Robot:
         for st in msg.status:
             if st.name.startswith('oxygen_node'):
                 self.diag = {kv.key: kv.value for kv in st.values}
+                self.diag_at = time.monotonic()
+
+    def fresh_diag(self, timeout=5.0):
+        """A diagnostics report made after this call."""
+        t = time.monotonic()
+        assert wait_for(lambda: self.diag_at > t + 0.05, timeout), 'no diagnostics'
+        return dict(self.diag)
 
     def _stamp(self, lag=0.0):
         return (self.node.get_clock().now() - rclpy.duration.Duration(seconds=lag)).to_msg()
@@ -285,9 +303,10 @@ def expect_log(robot, mark, pattern, timeout=5.0):
 
 def assert_alive_and_commanding(robot, params=PARAMS):
     """`robot` (anything with traj, proc and log) gets new commands from its running node."""
-    assert keeps_commanding(robot.traj, chunk_messages(params),
+    assert keeps_commanding(robot.traj, params['control_rate_hz'],
                             lambda: robot.proc.poll() is None), (
-        f'not commanding:\n{robot.log()[-3000:]}')
+        f'not commanding at half of {params["control_rate_hz"]:g} Hz or more:\n'
+        f'{robot.log()[-3000:]}')
 
 
 def test_missing_joint_at_start_is_reported(robot):
@@ -295,9 +314,9 @@ def test_missing_joint_at_start_is_reported(robot):
 
 
 def test_trajectories_are_well_formed(robot):
-    # The rate itself is a benchmark's (tools/node_load.py), not a unit test's.
+    # At half the control rate or more; the rate itself is tools/node_load.py's.
     start = len(robot.traj)
-    assert wait_for(lambda: len(robot.traj) >= start + 50, 60), robot.log()[-2000:]
+    assert_alive_and_commanding(robot)
     for _, m in robot.traj[start:start + 50]:
         assert m.joint_names == ARM
         assert m.header.stamp.sec == 0 and m.header.stamp.nanosec == 0
