@@ -277,7 +277,9 @@ class JointLimits:
         idx = self.index
         w = (np.zeros(len(idx)) if moving is None
              else np.asarray(moving, dtype=np.float64)[idx].copy())
-        w[~np.isfinite(w) | ~np.isfinite(at[idx])] = 0.0
+        # A joint without an acceleration limit stops where it is, as holds always did: only
+        # a limited one needs the braking points (and would otherwise drift half a step).
+        w[~np.isfinite(w) | ~np.isfinite(at[idx]) | ~np.isfinite(self.accel[idx])] = 0.0
         if not np.any(w):
             return np.array([step]), at[None].copy(), np.zeros((1, len(at)))
         lim = self._at(idx)

@@ -159,6 +159,16 @@ def test_a_hold_brakes_a_moving_joint_by_hand():
     np.testing.assert_array_equal(vel, [[0.0, 0.0]])
 
 
+def test_a_hold_without_an_acceleration_limit_stops_where_the_joint_is():
+    # A range and a speed but no acceleration (ALOHA's joints): moving or not, the hold is
+    # one point exactly at the measured position, at rest.
+    lim = one_joint()
+    times, pos, vel = lim.stop(np.array([0.3, 4.0]), np.array([1.0, 5.0]), 0.05, 1.0)
+    np.testing.assert_array_equal(times, [0.05])
+    np.testing.assert_array_equal(pos, [[0.3, 4.0]])
+    np.testing.assert_array_equal(vel, [[0.0, 0.0]])
+
+
 def test_hold_margin_is_a_fraction_of_the_range():
     lim = one_joint(margin=0.1)  # range 2: margin 0.2
     assert lim.too_far(np.array([[1.19, 50.0]]), np.array([0.0, 0.0])) is None
@@ -208,13 +218,13 @@ def test_player_starts_from_the_controllers_velocity():
     # 10 + (0 - 10)(1 - 2 + 0.75) + (10 - 10)(0.75 - 1) = 12.5/s.
     assert p.moving(0.05)[0] == pytest.approx(12.5)
     assert p.moving(0.4)[0] == 0.0  # past the last point: at rest
-    # A hold from there brakes (no acceleration limit: to rest in one step, 0.01 * 12.5 / 2
-    # on); with no motion it would be the single point where the robot is.
+    # A hold from there, with no acceleration limit to brake within, is the single point
+    # where the robot is measured, at rest, as for a joint at rest.
     p.stop('deactivated')
     cmd = p.tick(0.05, hold_at=lambda: np.array([0.5]))
     assert cmd.hold == 'deactivated'
     np.testing.assert_allclose(cmd.times, [0.01])
-    np.testing.assert_allclose(cmd.positions[:, 0], [0.5 + 0.0625])
+    np.testing.assert_array_equal(cmd.positions[:, 0], [0.5])
     np.testing.assert_array_equal(cmd.velocities, [[0.0]])
 
 
