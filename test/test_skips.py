@@ -61,10 +61,12 @@ ALLOW = [('test_a.py::test_gpu', 'CI has no GPU'), ('test_b.py::TestLaunch::*', 
 def test_allowed_skips_pass_and_are_listed_with_their_reasons(results):
     lines, ok = skips.check(results, ALLOW, strict='CI=true')
     assert ok
-    assert lines[0] == '== skipped tests: 2'
-    assert f'  test_a.py::test_gpu: {GPU} [allowed: CI has no GPU]' in lines
-    assert f'  test_b.py::TestLaunch::test_launch_file: {LAUNCH} [allowed: no launch]' in lines
-    assert lines[-1] == 'tests: 3 passed, 0 failed, 2 skipped'
+    # Each reason once, its tests under it.
+    assert lines == ['== skipped tests: 2',
+                     f'  {GPU}:', '    test_a.py::test_gpu [allowed: CI has no GPU]',
+                     f'  {LAUNCH}:',
+                     '    test_b.py::TestLaunch::test_launch_file [allowed: no launch]',
+                     'tests: 3 passed, 0 failed, 2 skipped']
 
 
 def test_an_unlisted_skip_fails_when_strict_naming_it(results):
@@ -80,9 +82,9 @@ def test_an_unlisted_skip_fails_when_strict_naming_it(results):
 def test_unlisted_skips_are_listed_but_pass_when_not_strict(results):
     lines, ok = skips.check(results, [], strict='')
     assert ok
-    assert f'  test_a.py::test_gpu: {GPU}' in lines
-    assert f'  test_b.py::TestLaunch::test_launch_file: {LAUNCH}' in lines
-    assert any(x.startswith('== skip gate: not enforced (2 not on') for x in lines)
+    assert lines[1:5] == [f'  {GPU}:', '    test_a.py::test_gpu',
+                          f'  {LAUNCH}:', '    test_b.py::TestLaunch::test_launch_file']
+    assert lines[5].startswith('== skip gate: not enforced (2 not on')
     assert lines[-1] == 'tests: 3 passed, 0 failed, 2 skipped'
 
 
@@ -92,6 +94,19 @@ def test_a_file_skipped_at_collection_is_one_id_with_its_reason(results):
     assert not ok
     assert lines[-2] == "  test_c.py: could not import 'rclpy': No module named 'rclpy'"
     assert skips.check(results, [*ALLOW, ('test_c.py', 'why')], strict='CI=true')[1]
+
+
+def test_many_unlisted_skips_are_counted_per_file(results):
+    (results / 'oxygen_ros' / 'test_d.xunit.xml').write_text(suite(
+        [(f'test_{i}', ('skip', LAUNCH)) for i in range(12)], prefix='oxygen_ros.test.test_d'))
+    lines, ok = skips.check(results, ALLOW[:1], strict='CI=true')
+    assert not ok
+    assert lines[3:5] == [f'  {LAUNCH}:', '    test_b.py::TestLaunch::test_launch_file']
+    assert lines[-3:] == [
+        '== skip gate (CI=true): 13 skipped tests are not on the allow-list:',
+        '  1 in test_b.py, 12 in test_d.py (each named above under its reason, without '
+        '[allowed])',
+        'tests: 3 passed, 0 failed, 14 skipped']
 
 
 def test_failures_missing_results_and_nothing_passed_fail(results):
@@ -142,7 +157,9 @@ def test_cli_exit_codes_and_output(results, tmp_path):
     assert out.stdout.splitlines()[-1] == 'tests: 3 passed, 0 failed, 2 skipped'
     out = subprocess.run(cmd, env=dict(env, CI='true'), capture_output=True, text=True)
     assert out.returncode == 1
-    assert f'  test_b.py::TestLaunch::test_launch_file: {LAUNCH}' in out.stdout.splitlines()
+    assert out.stdout.splitlines()[-3:-1] == [
+        f'== skip gate (CI=true): 1 skipped tests are not on {allow}:',
+        f'  test_b.py::TestLaunch::test_launch_file: {LAUNCH}']
     assert out.stdout.splitlines()[-1] == 'tests: 3 passed, 0 failed, 2 skipped'
 
 
