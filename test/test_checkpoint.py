@@ -381,13 +381,28 @@ def test_engine_on_an_openpi_directory_cuts_to_the_robot_dims(tmp_path):
                               max_new_tokens=2))
     assert (eng.state_dim, eng.action_dim, eng.model_action_dim) == (3, 5, 8)
     noise = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
-    obs = Observation(0.0, {}, np.array([0.5, 1.0, 2.5], np.float32), "wave")
+    state = np.array([0.3, 1.3, 2.9], np.float32)  # no normalised value near a bin edge
+    obs = Observation(0.0, {}, state, "wave")
     got = eng.step(obs, noise=noise).actions
+    # The same weights without stats: fed the state normalised by hand, it gives the model's
+    # raw actions, all 8 dims.
     raw = Engine(EngineConfig(checkpoint=str(openpi_dir(tmp_path / "b")), seed=0,
                               max_requests=1, max_new_tokens=2, normalize=False,
                               prompt_format="pi05"))
     assert raw.action_dim == 8 and raw.state_dim is None  # no stats: the model's width
+    st, ac = OPENPI_STATS["state"], OPENPI_STATS["actions"]
+    lo, hi = np.array(st["q01"]), np.array(st["q99"])
+    normed = ((state - lo) / (hi - lo + 1e-6) * 2 - 1).astype(np.float32)
+    hand = Observation(0.0, {}, normed, "wave")
+    assert raw.frame(hand).tokens.tolist() == eng.frame(obs).tokens.tolist()  # one prompt
+    a = raw.step(hand, noise=noise).actions
+    assert a.shape == (4, 8)
+    # openpi's quantile unnormalisation of the robot's 5 dims; the 3 padded dims are cut.
+    lo, hi = np.array(ac["q01"]), np.array(ac["q99"])
+    expected = (a[:, :5].astype(np.float64) + 1) / 2 * (hi - lo + 1e-6) + lo
     assert got.shape == (4, 5)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, a[:, :5], atol=1e-2)
     with pytest.raises(ValueError, match="state has 4 dims; the checkpoint expects 3"):
         eng.step(Observation(0.0, {}, np.zeros(4, np.float32), "wave"))
 

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_questions import make_model as text_model
 
 from oxygen_ros.engine import AdaptiveK, Engine, EngineConfig, KVCache, Observation
 from oxygen_ros.engine.requests import Request, sample
@@ -91,14 +92,29 @@ def test_requests_span_frames_and_batch(model, tokenizer):
     assert max(seen_batches) == 3
 
 
-def test_stream_deltas_concatenate(model, tokenizer):
+def test_stream_deltas_concatenate(tokenizer):
+    # Layers strong enough that the text depends on the frame (test_questions.make_model),
+    # so a wrong token shows in the text.
+    model = text_model()
     eng = make_engine(model, tokenizer, max_new_tokens=7, decode_k=3)
     _, texts, by_stamp, _ = run(eng, 8)
+    # The reference: each frame's text decoded whole within its own frame.
+    _, whole, _, _ = run(make_engine(model, tokenizer, mode='isolated', max_new_tokens=7), 8)
+    # 7 tokens at k=3 take 3 frames (3 + 3 + 1): the requests of frames 0-5 finish within the
+    # 8 frames, the one of frame 6 has 6 tokens and the one of frame 7 has 3.
+    assert sorted(by_stamp) == [float(i) for i in range(8)]
+    assert [s for s, evs in by_stamp.items() if evs[-1].done] == [float(i) for i in range(6)]
     for stamp, evs in by_stamp.items():
-        if evs[-1].done:
-            assert ''.join(e.delta for e in evs) == evs[-1].text == texts[stamp]
-            assert [e.tokens for e in evs] == list(range(1, len(evs) + 1))
-            assert evs[-1].tokens == 7
+        n = 7 if stamp < 6 else {6.0: 6, 7.0: 3}[stamp]
+        assert [e.tokens for e in evs] == list(range(1, n + 1))
+        assert [e.done for e in evs] == [False] * (n - 1) + [n == 7]
+        assert not any(e.cancelled for e in evs)
+        assert ''.join(e.delta for e in evs) == evs[-1].text == texts[stamp]
+        if n == 7:
+            assert texts[stamp] == whole[stamp]
+        else:
+            assert whole[stamp].startswith(texts[stamp])
+    assert all(whole.values()) and len(set(whole.values())) > 2
 
 
 def test_actions_identical_with_and_without_language(model, tokenizer):

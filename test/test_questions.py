@@ -371,9 +371,20 @@ def test_parallel_mode_answers_questions(model, tokenizer):
     par = make_engine(model, tokenizer, mode='parallel')
     iso = make_engine(model, tokenizer, mode='isolated')
     obs = observation(model.cfg, 4)
-    texts = []
+    answers = {}
     for eng in (par, iso):
-        rid = eng.ask('is the cup in the gripper?')
-        texts.append(next(e.text for e in eng.step(obs).events if e.request_id == rid))
+        for q in ('is the cup in the gripper?', 'where is the towel?'):
+            rid = eng.ask(q)
+            # Both decode a frame's requests to the end within the frame.
+            evs = [e for e in eng.step(obs).events if e.request_id == rid]
+            # The whole answer as streamed: every delta, the count, how it ended.
+            answers[eng.cfg.mode, q] = ([e.delta for e in evs], evs[-1].text, evs[-1].tokens,
+                                        evs[-1].done, evs[-1].reason)
     par.scheduler.close()
-    assert texts[0] == texts[1]
+    for q in ('is the cup in the gripper?', 'where is the towel?'):
+        deltas, text, tokens, done, reason = answers['parallel', q]
+        assert answers['parallel', q] == answers['isolated', q]
+        assert ''.join(deltas) == text and (tokens, done, reason) == (6, True, 'budget')
+    # The answers depend on the question, so the comparison above can tell them apart.
+    assert answers['isolated', 'is the cup in the gripper?'][1] != \
+        answers['isolated', 'where is the towel?'][1]
