@@ -62,15 +62,25 @@ def main(argv=None) -> int:
         goal = Ask.Goal(question=opts.question, max_new_tokens=opts.max_new_tokens,
                         prompt_format=opts.prompt_format)
         sent = client.send_goal_async(goal, feedback_callback=on_feedback)
-        rclpy.spin_until_future_complete(node, sent, timeout_sec=opts.wait)
+        interrupted = False
+        try:
+            rclpy.spin_until_future_complete(node, sent, timeout_sec=opts.wait)
+        except KeyboardInterrupt:
+            # Ctrl-C before the acceptance arrived: the goal may already run on the node, so
+            # its handle is still awaited, to cancel it.
+            interrupted = True
+            rclpy.spin_until_future_complete(node, sent, timeout_sec=opts.wait)
         handle = sent.result()
         if handle is None or not handle.accepted:
             print(f'oxygen_ask: {name} did not accept the goal', file=sys.stderr)
-            return 2
+            return 1 if interrupted else 2
         done = handle.get_result_async()
-        try:
-            rclpy.spin_until_future_complete(node, done)
-        except KeyboardInterrupt:
+        if not interrupted:
+            try:
+                rclpy.spin_until_future_complete(node, done)
+            except KeyboardInterrupt:
+                interrupted = True
+        if interrupted:
             handle.cancel_goal_async()
             rclpy.spin_until_future_complete(node, done, timeout_sec=opts.wait)
         if not done.done():
@@ -85,6 +95,10 @@ def main(argv=None) -> int:
               f'{r.tokens} tokens, {r.reason}]' + (f' {r.message}' if r.message else ''),
               file=sys.stderr)
         return 0 if r.reason in (Ask.Result.DONE, Ask.Result.BUDGET) else 1
+    except KeyboardInterrupt:
+        # A second Ctrl-C while the cancel is awaited (or one before anything was sent).
+        print('oxygen_ask: interrupted; the answer was not awaited', file=sys.stderr)
+        return 1
     finally:
         client.destroy()
         node.destroy_node()
