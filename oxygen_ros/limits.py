@@ -217,33 +217,7 @@ class JointLimits:
             ok[0] |= unknown
             out, v = goal, want
             if not ok.all():
-                out, v = goal.copy(), want.copy()
-                off = np.zeros(len(idx), dtype=bool)  # placed away from its target
-                p, q = start, w
-                for k in range(len(times)):
-                    if off.any() or not ok[k].all():
-                        fine = _fits(p, q, goal[k], want[k], h[k], cap[k], reach, lim)
-                        if k == 0:
-                            fine |= unknown
-                        bp, bv = _toward(p, q, goal[k], h[k], reach, cap[k], lim[3])
-                        # From rest, a parabola to rest goes nowhere: a cubic to rest as
-                        # long as the limits allow gets there (a single point's only way).
-                        rest = (q == 0) & (bv == 0) & ~fine
-                        if rest.any():
-                            # Its peak: 6 / h^2 and 1.5 / h per unit moved, and the room to
-                            # stop (see _fits) 1.5 step / h more.
-                            room = np.where(goal[k] >= p, hi - p, p - lo) * (1 - 1e-9)
-                            d = np.minimum(np.minimum(lim[3] * h[k] ** 2 / 6,
-                                                      lim[2] * h[k] / 1.5),
-                                           np.maximum(room, 0.0) / (1 + 1.5 * reach / h[k]))
-                            rp = p + np.clip(goal[k] - p, -d, d)
-                            rest &= np.abs(rp - goal[k]) < np.abs(bp - goal[k])
-                            rest &= _fits(p, q, rp, 0.0, h[k], cap[k], reach, lim)
-                            bp, bv = np.where(rest, rp, bp), np.where(rest, 0.0, bv)
-                        out[k] = np.where(fine, goal[k], bp)
-                        v[k] = np.where(fine, want[k], bv)
-                        off = ~fine
-                    p, q = out[k], v[k]
+                out, v = _place(ok, goal, want, h, cap, reach, start, w, lim)
         pos[:, idx] = out
         vel[:, idx] = v
         findings = []
@@ -399,30 +373,118 @@ def _fits(p0, v0, p1, v1, h, cap, step, lim):
     return ok & (end <= hi + 1e-12) & (end >= lo - 1e-12)
 
 
-def _toward(p, v, goal, h, step, cap, accel):
-    """(position, velocity) h s on from (p, v), moving with constant acceleration (the
-    controller's cubic is then a parabola: velocity linear, its peak at an end, no turn
-    inside), as close to `goal` as the limits allow while it keeps the room to stop there
-    (_reach; _fits' room condition for this parabola). The velocity changes by at most
-    accel * h, stays within cap and does not change sign (a reversal passes through rest
-    at a point); too fast to keep to cap, it brakes at accel. At rest where cap is 0 (the
-    last point)."""
+
+def _sign(x):
+    return 1.0 if x > 0 else -1.0 if x < 0 else 0.0
+
+
+def _fits1(p0, v0, p1, v1, h, cap, step, lj):
+    """_fits for one joint and segment, in floats: the same operations in the same order,
+    so the same answer to the last bit. lj: lower, upper, speed, acceleration, jerk, and the
+    last three times 1 + TOL."""
+    lo, hi, _, accel, _, smax, amax, jmax = lj
+    s = (p1 - p0) / h
+    a0 = (6 * s - 4 * v0 - 2 * v1) / h
+    a1 = (2 * v0 + 4 * v1 - 6 * s) / h
+    if not (max(abs(a0), abs(a1)) <= amax and abs(a1 - a0) / h <= jmax):
+        return False
+    e0, e1 = abs(v0), abs(v1)
+    top, bottom = max(e0, e1), min(e0, e1)
+    if a0 * a1 < 0:  # the speed turns inside
+        inner = abs(v0 + a0 * (a0 / (a0 - a1)) * h / 2)
+        top, bottom = max(top, inner), min(bottom, inner)
+    slack = 3 * abs(s) * (1 + TOL)
+    if not (top <= smax and s * v0 >= 0 and s * v1 >= 0 and e0 <= slack and e1 <= slack
+            and e1 <= cap * (1 + TOL)):
+        return False
+    end = p1 + _sign(s) * (e1 * e1 / (2 * accel) + e1 * step + (top - bottom) * step)
+    return end <= hi + 1e-12 and end >= lo - 1e-12
+
+
+def _place1(p, v, goal, h, cap, step, lj):
+    """(position, velocity) of a point that does not fit, for one joint (lj as _fits1):
+    h s on from (p, v), moving with constant acceleration (the controller's cubic is then a
+    parabola: velocity linear, its peak at an end, no turn inside), as close to `goal` as
+    the limits allow while it keeps the room to stop there (_reach; _fits' room condition
+    for this parabola). The velocity changes by at most accel * h, stays within cap and
+    does not change sign (a reversal passes through rest at a point); too fast to keep to
+    cap, it brakes at accel. At rest where cap is 0 (the last point). From rest, a parabola
+    to rest goes nowhere: a cubic to rest as long as the limits allow is taken instead
+    where it gets closer and fits (a single point's only way)."""
+    lo, hi, speed, accel = lj[:4]
+    e = abs(v)
     # In the frame where the goal lies ahead of where the joint would stop.
-    sign = np.where(goal >= p + np.sign(v) * _reach(np.abs(v), accel, step), 1.0, -1.0)
+    sign = 1.0 if goal >= p + _sign(v) * (e * e / (2 * accel) + e * step) else -1.0
     x, w, g = sign * p, sign * v, sign * goal
     # Speeding up (the room needed grows by a step per unit of speed gained) ...
     b = h / 2 + 2 * step
     c = g - x - h * w / 2 + w * step
-    up = 2 * c / (b + np.sqrt(b * b + 2 * np.abs(c) / accel))
+    up = 2 * c / (b + math.sqrt(b * b + 2 * abs(c) / accel))
     # ... or slowing down (the room still needed is the start's).
     c = g - x - h * w / 2 - w * step
-    down = 2 * c / (h / 2 + np.sqrt(h * h / 4 + 2 * np.abs(c) / accel))
-    want = np.where(w < 0, np.inf, np.where(up >= w, up, down))  # moving away: turn back
-    dv = accel * h
-    low = np.maximum(v - dv, -cap)
-    high = np.minimum(v + dv, cap)
-    low = np.where(v > 0, np.maximum(low, 0.0), low)
-    high = np.where(v < 0, np.minimum(high, 0.0), high)
-    v1 = np.where(low > high, v - np.sign(v) * dv, np.clip(sign * want, low, high))
-    v1 = np.where(cap > 0, v1, 0.0)
-    return p + h * (v + v1) / 2, v1
+    down = 2 * c / (h / 2 + math.sqrt(h * h / 4 + 2 * abs(c) / accel))
+    want = math.inf if w < 0 else up if up >= w else down  # moving away: turn back
+    v1 = 0.0
+    if cap > 0:
+        dv = accel * h
+        low, high = max(v - dv, -cap), min(v + dv, cap)
+        if v > 0:
+            low = max(low, 0.0)
+        elif v < 0:
+            high = min(high, 0.0)
+        v1 = v - _sign(v) * dv if low > high else min(max(sign * want, low), high)
+    bp = p + h * (v + v1) / 2
+    if v == 0 and v1 == 0:
+        # The cubic to rest: its peak is 6 / h^2 and 1.5 / h per unit moved, and the room
+        # to stop (see _fits) 1.5 step / h more.
+        room = (hi - p if goal >= p else p - lo) * (1 - 1e-9)
+        d = min(min(accel * (h * h) / 6, speed * h / 1.5),
+                max(room, 0.0) / (1 + 1.5 * step / h))
+        rp = p + min(max(goal - p, -d), d)
+        if abs(rp - goal) < abs(bp - goal) and _fits1(p, v, rp, 0.0, h, cap, step, lj):
+            return rp, 0.0
+    return bp, v1
+
+def _place(ok, goal, want, h, cap, reach, start, w, lim):
+    """(positions, velocities) [n, J] of the limited joints, each point placed in turn
+    from where the one before left its joint (see apply). A joint's points depend only on
+    its own earlier ones, so each joint that fails somewhere is placed on its own, in
+    plain floats (numpy's per-call cost outweighs a dozen joints), from its first failing
+    point: before it, and wherever a point fits from the target before it, the targets
+    stand (`ok`, the check from target to target, is what placing would compute)."""
+    out, v = goal.copy(), want.copy()
+    bad = ~ok
+    h1 = h[:, 0].tolist()
+    n = len(h1)
+    cols = (goal.T.tolist(), want.T.tolist(), cap.T.tolist(), bad.T.tolist())
+    firsts = np.argmax(bad, axis=0).tolist()
+    lasts = (n - 1 - np.argmax(bad[::-1], axis=0)).tolist()
+    for j in np.flatnonzero(bad.any(axis=0)).tolist():
+        g, wv, c, fail = (x[j] for x in cols)
+        k0, k1 = firsts[j], lasts[j]
+        if k0 == 0:
+            p, q = float(start[j]), float(w[j])
+        else:
+            p, q = g[k0 - 1], wv[k0 - 1]
+        lo, hi, speed, accel, jerk = (float(x[j]) for x in lim)
+        lj = (lo, hi, speed, accel, jerk, speed * (1 + TOL), accel * (1 + TOL),
+              jerk * (1 + TOL))
+        pj, vj = g[:k0], wv[:k0]
+        off = False
+        for k in range(k0, n):
+            if not off and not fail[k]:
+                if k > k1:  # fits from here to the end: the targets stand
+                    pj += g[k:]
+                    vj += wv[k:]
+                    break
+                p, q = g[k], wv[k]
+            elif _fits1(p, q, g[k], wv[k], h1[k], c[k], reach, lj):
+                p, q = g[k], wv[k]
+                off = False
+            else:
+                p, q = _place1(p, q, g[k], h1[k], c[k], reach, lj)
+                off = True
+            pj.append(p)
+            vj.append(q)
+        out[:, j], v[:, j] = pj, vj
+    return out, v
