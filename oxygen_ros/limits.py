@@ -127,6 +127,7 @@ class JointLimits:
             self.names[i] = name
         self.index = np.array(sorted(limits), dtype=np.int64)
         self.hold_margin = hold_margin
+        self.rates = {i: self._rates(i) for i in limits}  # for the findings' text
         span = self.upper - self.lower
         self.margin = np.full(dim, np.inf)
         ranged = np.isfinite(span)
@@ -224,7 +225,8 @@ class JointLimits:
         over = np.maximum(raw - hi, lo - raw)
         beyond = over.max(axis=0)
         slowed = np.abs(out - goal).max(axis=0)
-        for j, i in enumerate(idx):
+        for j in np.flatnonzero((beyond > 0) | (slowed > 0)).tolist():
+            i = int(idx[j])
             name = self.names[i]
             if beyond[j] > 0:
                 k = int(np.argmax(over[:, j]))
@@ -234,7 +236,7 @@ class JointLimits:
             if slowed[j] > 0:
                 findings.append(Finding('speed', name, float(slowed[j]),
                                         f'joint limits: {name} targets move faster than '
-                                        f'{self._rates(i)} allow; held back by up to '
+                                        f'{self.rates[i]} allow; held back by up to '
                                         f'{slowed[j]:.4g}'))
         if measured is not None:
             findings += self.outside(measured)
@@ -380,19 +382,23 @@ def _sign(x):
 
 def _fits1(p0, v0, p1, v1, h, cap, step, lj):
     """_fits for one joint and segment, in floats: the same operations in the same order,
-    so the same answer to the last bit. lj: lower, upper, speed, acceleration, jerk, and the
-    last three times 1 + TOL."""
+    so the same answer to the last bit (comparisons, not max and min: calls cost more than
+    the arithmetic here). lj: lower, upper, speed, acceleration, jerk, and the last three
+    times 1 + TOL."""
     lo, hi, _, accel, _, smax, amax, jmax = lj
     s = (p1 - p0) / h
     a0 = (6 * s - 4 * v0 - 2 * v1) / h
     a1 = (2 * v0 + 4 * v1 - 6 * s) / h
-    if not (max(abs(a0), abs(a1)) <= amax and abs(a1 - a0) / h <= jmax):
+    if not (abs(a0) <= amax and abs(a1) <= amax and abs(a1 - a0) / h <= jmax):
         return False
     e0, e1 = abs(v0), abs(v1)
-    top, bottom = max(e0, e1), min(e0, e1)
+    top, bottom = (e0, e1) if e0 >= e1 else (e1, e0)
     if a0 * a1 < 0:  # the speed turns inside
         inner = abs(v0 + a0 * (a0 / (a0 - a1)) * h / 2)
-        top, bottom = max(top, inner), min(bottom, inner)
+        if inner > top:
+            top = inner
+        elif inner < bottom:
+            bottom = inner
     slack = 3 * abs(s) * (1 + TOL)
     if not (top <= smax and s * v0 >= 0 and s * v1 >= 0 and e0 <= slack and e1 <= slack
             and e1 <= cap * (1 + TOL)):
@@ -427,20 +433,32 @@ def _place1(p, v, goal, h, cap, step, lj):
     v1 = 0.0
     if cap > 0:
         dv = accel * h
-        low, high = max(v - dv, -cap), min(v + dv, cap)
-        if v > 0:
-            low = max(low, 0.0)
-        elif v < 0:
-            high = min(high, 0.0)
-        v1 = v - _sign(v) * dv if low > high else min(max(sign * want, low), high)
+        low, high = v - dv, v + dv
+        if low < -cap:
+            low = -cap
+        if high > cap:
+            high = cap
+        if v > 0 and low < 0:
+            low = 0.0
+        elif v < 0 and high > 0:
+            high = 0.0
+        if low > high:
+            v1 = v - _sign(v) * dv
+        else:
+            v1 = sign * want
+            v1 = low if v1 < low else high if v1 > high else v1
     bp = p + h * (v + v1) / 2
     if v == 0 and v1 == 0:
         # The cubic to rest: its peak is 6 / h^2 and 1.5 / h per unit moved, and the room
         # to stop (see _fits) 1.5 step / h more.
         room = (hi - p if goal >= p else p - lo) * (1 - 1e-9)
-        d = min(min(accel * (h * h) / 6, speed * h / 1.5),
-                max(room, 0.0) / (1 + 1.5 * step / h))
-        rp = p + min(max(goal - p, -d), d)
+        d = accel * (h * h) / 6
+        d2 = speed * h / 1.5
+        d3 = (room if room > 0 else 0.0) / (1 + 1.5 * step / h)
+        d = d if d <= d2 else d2
+        d = d if d <= d3 else d3
+        rp = goal - p
+        rp = p + (-d if rp < -d else d if rp > d else rp)
         if abs(rp - goal) < abs(bp - goal) and _fits1(p, v, rp, 0.0, h, cap, step, lj):
             return rp, 0.0
     return bp, v1
@@ -457,6 +475,7 @@ def _place(ok, goal, want, h, cap, reach, start, w, lim):
     h1 = h[:, 0].tolist()
     n = len(h1)
     cols = (goal.T.tolist(), want.T.tolist(), cap.T.tolist(), bad.T.tolist())
+    lims = [x.tolist() for x in lim]
     firsts = np.argmax(bad, axis=0).tolist()
     lasts = (n - 1 - np.argmax(bad[::-1], axis=0)).tolist()
     for j in np.flatnonzero(bad.any(axis=0)).tolist():
@@ -466,7 +485,7 @@ def _place(ok, goal, want, h, cap, reach, start, w, lim):
             p, q = float(start[j]), float(w[j])
         else:
             p, q = g[k0 - 1], wv[k0 - 1]
-        lo, hi, speed, accel, jerk = (float(x[j]) for x in lim)
+        lo, hi, speed, accel, jerk = (x[j] for x in lims)
         lj = (lo, hi, speed, accel, jerk, speed * (1 + TOL), accel * (1 + TOL),
               jerk * (1 + TOL))
         pj, vj = g[:k0], wv[:k0]
