@@ -126,6 +126,10 @@ class JointLimits:
             self.accel[i], self.jerk[i] = lim.acceleration, lim.jerk
             self.names[i] = name
         self.index = np.array(sorted(limits), dtype=np.int64)
+        # What apply() needs of the limited joints, made once (the arrays are not changed
+        # after this): the limits, and those the peak checks compare with (_Checks).
+        self._lim = self._at(self.index)
+        self._checks = _Checks(self._lim)
         self.hold_margin = hold_margin
         self.rates = {i: self._rates(i) for i in limits}  # for the findings' text
         span = self.upper - self.lower
@@ -194,7 +198,7 @@ class JointLimits:
         idx = self.index
         if not len(idx):
             return Limited(pos, vel)
-        lim = self._at(idx)
+        lim = self._lim
         lo, hi = lim[0], lim[1]
         start = (np.full(len(idx), np.nan) if measured is None
                  else np.asarray(measured, dtype=np.float64)[idx])
@@ -204,27 +208,36 @@ class JointLimits:
         w[~np.isfinite(w) | unknown] = 0.0
         raw = pos[:, idx]
         goal = np.clip(raw, lo, hi)
-        h = np.diff(times, prepend=0.0)[:, None]
+        h = np.empty((len(times), 1))  # the steps, the first from time 0
+        h[0, 0] = times[0]
+        h[1:, 0] = times[1:] - times[:-1]
         reach = max(float(h.max()), step)  # the longest step a command may start with
-        cap = _cap(times, lim[2], lim[3])
         with np.errstate(invalid='ignore', divide='ignore'):
-            want = _monotone(vel[:, idx], start, goal, h)
+            cap = _cap(times, lim[2], lim[3])
+            # The mean speed of each step, the first from `start`.
+            s = np.empty_like(goal)
+            s[0] = goal[0] - start
+            s[1:] = goal[1:] - goal[:-1]
+            s /= h
+            want = _monotone(vel[:, idx], s)
             want[0, unknown] = 0.0  # nothing to step from: the first point stands, at rest
             # Each point as targeted, with its velocity, checked as the controller will move
             # between them; only when one fails are the points after it placed in turn (each
             # depends on where the one before ended).
-            ok = _fits(np.concatenate([start[None], goal[:-1]]),
-                       np.concatenate([w[None], want[:-1]]), goal, want, h, cap, reach, lim)
+            v0 = np.empty_like(want)
+            v0[0] = w
+            v0[1:] = want[:-1]
+            ok = _fits(s, v0, goal, want, h, cap, reach, self._checks)
             ok[0] |= unknown
             out, v = goal, want
             if not ok.all():
-                out, v = _place(ok, goal, want, h, cap, reach, start, w, lim)
+                out, v = _place(ok, goal, want, h, cap, reach, start, w, self._checks)
         pos[:, idx] = out
         vel[:, idx] = v
         findings = []
         over = np.maximum(raw - hi, lo - raw)
         beyond = over.max(axis=0)
-        slowed = np.abs(out - goal).max(axis=0)
+        slowed = np.abs(out - goal).max(axis=0) if out is not goal else np.zeros(len(idx))
         for j in np.flatnonzero((beyond > 0) | (slowed > 0)).tolist():
             i = int(idx[j])
             name = self.names[i]
@@ -328,56 +341,72 @@ def _cap(times, speed, accel):
     """[n, J] the largest speed at each point from which the joint can still be at rest at
     the last point."""
     rest = (times[-1] - times)[:, None]
-    with np.errstate(invalid='ignore'):
-        return np.minimum(speed, np.where(rest > 0, accel * rest, 0.0))
+    return np.minimum(speed, np.where(rest > 0, accel * rest, 0.0))  # inf * 0 is NaN
 
 
-def _monotone(given, start, goal, h):
+def _monotone(given, s):
     """The given velocities at the points, made to keep the cubic from each point to the
     next monotone (Fritsch and Carlson's sufficient condition): 0 unless both neighbouring
-    steps (the first from `start`) go its way, and at most 3 times the slower one's mean
-    speed. The last point is at rest."""
-    s = np.diff(np.concatenate([start[None], goal]), axis=0) / h
-    right = np.concatenate([s[1:], np.zeros((1, s.shape[1]))])
-    bound = 3 * np.minimum(np.abs(s), np.abs(right))
-    v = np.clip(given, -bound, bound)
+    steps (s: their mean speeds, the first from where the motion starts) go its way, and at
+    most 3 times the slower one's mean speed. The last point is at rest."""
+    right = np.zeros_like(s)
+    right[:-1] = s[1:]
+    size = np.abs(s)
+    bound = np.zeros_like(s)
+    np.minimum(size[:-1], size[1:], out=bound[:-1])
+    bound *= 3
+    v = np.minimum(np.maximum(given, -bound), bound)
     return np.where((v * s > 0) & (v * right > 0), v, 0.0)
 
 
-def _fits(p0, v0, p1, v1, h, cap, step, lim):
+class _Checks:
+    """The limited joints' limits as the peak checks use them: arrays (lower, upper,
+    speed, acceleration, jerk) for _fits, with the bounds it compares with made once, and
+    per joint the floats _fits1 and _place1 take."""
+
+    def __init__(self, lim):
+        lo, hi, speed, accel, jerk = lim
+        self.lim = lim
+        self.smax, self.amax, self.jmax = speed * (1 + TOL), accel * (1 + TOL), jerk * (1 + TOL)
+        self.lo, self.hi = lo - 1e-12, hi + 1e-12
+        # Without a finite one the check passes for every finite value: skipped.
+        self.accel_free = not np.isfinite(accel).any()
+        self.jerk_free = not np.isfinite(jerk).any()
+        self.joints = [tuple(x) for x in zip(*(a.tolist() for a in (
+            lo, hi, speed, accel, jerk, self.smax, self.amax, self.jmax)), strict=True)]
+
+
+def _fits(s, v0, p1, v1, h, cap, step, c):
     """Whether the cubic Hermite the controller moves along from (p0, v0) to (p1, v1) in h
     s is monotone and within the limits at its peak, and the joint can still stop in its
-    range and by the last point (|v1| <= cap)."""
-    lo, hi, speed, accel, jerk = lim
-    s = (p1 - p0) / h
-    # The acceleration is linear in time: its peaks are at the ends; the jerk is constant.
-    a0 = (6 * s - 4 * v0 - 2 * v1) / h
-    a1 = (2 * v0 + 4 * v1 - 6 * s) / h
-    ok = np.maximum(np.abs(a0), np.abs(a1)) <= accel * (1 + TOL)
-    ok &= np.abs(a1 - a0) / h <= jerk * (1 + TOL)
-    # The speed peaks at an end or where the acceleration changes sign (the velocity is a
-    # parabola): a0 * u h / 2 past v0 at the fraction u of the step.
-    turn = a0 * a1 < 0
-    u = np.where(turn, a0 / np.where(turn, a0 - a1, 1.0), 0.0)
-    ends = np.maximum(np.abs(v0), np.abs(v1))
-    inner = np.abs(v0 + a0 * u * h / 2)
-    top = np.where(turn, np.maximum(ends, inner), ends)
-    ok &= top <= speed * (1 + TOL)
+    range and by the last point (|v1| <= cap). s: (p1 - p0) / h; c: _Checks."""
+    e0, e1 = np.abs(v0), np.abs(v1)
     slack = 3 * np.abs(s) * (1 + TOL)
-    ok &= (s * v0 >= 0) & (s * v1 >= 0) & (np.abs(v0) <= slack) & (np.abs(v1) <= slack)
-    ok &= np.abs(v1) <= cap * (1 + TOL)
+    ok = (s * v0 >= 0) & (s * v1 >= 0) & (e0 <= slack) & (e1 <= slack)
+    ok &= e1 <= cap * (1 + TOL)
+    # The acceleration is linear in time: its peaks are at the ends; the jerk is constant.
+    s6 = 6 * s
+    a0 = (s6 - 4 * v0 - 2 * v1) / h
+    a1 = (2 * v0 + 4 * v1 - s6) / h
+    if not c.accel_free:
+        ok &= np.maximum(np.abs(a0), np.abs(a1)) <= c.amax
+    if not c.jerk_free:
+        ok &= np.abs(a1 - a0) / h <= c.jmax
+    # The speed peaks at an end or where the acceleration changes sign (the velocity is a
+    # parabola): a0 * u h / 2 past v0 at the fraction u = a0 / (a0 - a1) of the step (used
+    # only where it turns).
+    turn = a0 * a1 < 0
+    inner = np.abs(v0 + a0 * (a0 / (a0 - a1)) * h / 2)
+    ends = np.maximum(e0, e1)
+    top = np.where(turn, np.maximum(ends, inner), ends)
+    ok &= top <= c.smax
     # Room to stop, from anywhere on the way (a new command may start at any moment): what
     # the end needs, plus a step for each unit of speed lost before it (braking at a step's
     # distance per unit of speed lost is what the end's room does not cover).
-    bottom = np.where(turn, np.minimum(np.minimum(np.abs(v0), np.abs(v1)), inner),
-                      np.minimum(np.abs(v0), np.abs(v1)))
-    end = p1 + np.sign(s) * (_reach(np.abs(v1), accel, step) + (top - bottom) * step)
-    return ok & (end <= hi + 1e-12) & (end >= lo - 1e-12)
-
-
-
-def _sign(x):
-    return 1.0 if x > 0 else -1.0 if x < 0 else 0.0
+    least = np.minimum(e0, e1)
+    bottom = np.where(turn, np.minimum(least, inner), least)
+    end = p1 + np.sign(s) * (_reach(e1, c.lim[3], step) + (top - bottom) * step)
+    return ok & (end <= c.hi) & (end >= c.lo)
 
 
 def _fits1(p0, v0, p1, v1, h, cap, step, lj):
@@ -387,11 +416,17 @@ def _fits1(p0, v0, p1, v1, h, cap, step, lj):
     times 1 + TOL."""
     lo, hi, _, accel, _, smax, amax, jmax = lj
     s = (p1 - p0) / h
+    # The cheap conditions first (the order of a conjunction does not change it).
+    if not (s * v0 >= 0 and s * v1 >= 0):
+        return False
     a0 = (6 * s - 4 * v0 - 2 * v1) / h
     a1 = (2 * v0 + 4 * v1 - 6 * s) / h
     if not (abs(a0) <= amax and abs(a1) <= amax and abs(a1 - a0) / h <= jmax):
         return False
     e0, e1 = abs(v0), abs(v1)
+    slack = 3 * abs(s) * (1 + TOL)
+    if not (e0 <= slack and e1 <= slack and e1 <= cap * (1 + TOL)):
+        return False
     top, bottom = (e0, e1) if e0 >= e1 else (e1, e0)
     if a0 * a1 < 0:  # the speed turns inside
         inner = abs(v0 + a0 * (a0 / (a0 - a1)) * h / 2)
@@ -399,11 +434,10 @@ def _fits1(p0, v0, p1, v1, h, cap, step, lj):
             top = inner
         elif inner < bottom:
             bottom = inner
-    slack = 3 * abs(s) * (1 + TOL)
-    if not (top <= smax and s * v0 >= 0 and s * v1 >= 0 and e0 <= slack and e1 <= slack
-            and e1 <= cap * (1 + TOL)):
+    if not top <= smax:
         return False
-    end = p1 + _sign(s) * (e1 * e1 / (2 * accel) + e1 * step + (top - bottom) * step)
+    room = e1 * e1 / (2 * accel) + e1 * step + (top - bottom) * step
+    end = p1 + room if s > 0 else p1 - room if s < 0 else p1 + 0.0 * room
     return end <= hi + 1e-12 and end >= lo - 1e-12
 
 
@@ -420,7 +454,9 @@ def _place1(p, v, goal, h, cap, step, lj):
     lo, hi, speed, accel = lj[:4]
     e = abs(v)
     # In the frame where the goal lies ahead of where the joint would stop.
-    sign = 1.0 if goal >= p + _sign(v) * (e * e / (2 * accel) + e * step) else -1.0
+    stop = e * e / (2 * accel) + e * step
+    stop = p + stop if v > 0 else p - stop if v < 0 else p + 0.0 * stop
+    sign = 1.0 if goal >= stop else -1.0
     x, w, g = sign * p, sign * v, sign * goal
     # Speeding up (the room needed grows by a step per unit of speed gained) ...
     b = h / 2 + 2 * step
@@ -443,7 +479,7 @@ def _place1(p, v, goal, h, cap, step, lj):
         elif v < 0 and high > 0:
             high = 0.0
         if low > high:
-            v1 = v - _sign(v) * dv
+            v1 = v - dv if v > 0 else v + dv  # v is not 0 here
         else:
             v1 = sign * want
             v1 = low if v1 < low else high if v1 > high else v1
@@ -463,7 +499,7 @@ def _place1(p, v, goal, h, cap, step, lj):
             return rp, 0.0
     return bp, v1
 
-def _place(ok, goal, want, h, cap, reach, start, w, lim):
+def _place(ok, goal, want, h, cap, reach, start, w, checks):
     """(positions, velocities) [n, J] of the limited joints, each point placed in turn
     from where the one before left its joint (see apply). A joint's points depend only on
     its own earlier ones, so each joint that fails somewhere is placed on its own, in
@@ -475,7 +511,6 @@ def _place(ok, goal, want, h, cap, reach, start, w, lim):
     h1 = h[:, 0].tolist()
     n = len(h1)
     cols = (goal.T.tolist(), want.T.tolist(), cap.T.tolist(), bad.T.tolist())
-    lims = [x.tolist() for x in lim]
     firsts = np.argmax(bad, axis=0).tolist()
     lasts = (n - 1 - np.argmax(bad[::-1], axis=0)).tolist()
     for j in np.flatnonzero(bad.any(axis=0)).tolist():
@@ -485,23 +520,22 @@ def _place(ok, goal, want, h, cap, reach, start, w, lim):
             p, q = float(start[j]), float(w[j])
         else:
             p, q = g[k0 - 1], wv[k0 - 1]
-        lo, hi, speed, accel, jerk = (x[j] for x in lims)
-        lj = (lo, hi, speed, accel, jerk, speed * (1 + TOL), accel * (1 + TOL),
-              jerk * (1 + TOL))
+        lj = checks.joints[j]
         pj, vj = g[:k0], wv[:k0]
         off = False
-        for k in range(k0, n):
-            if not off and not fail[k]:
+        for k, gk, wk, hk, ck, fk in zip(range(k0, n), g[k0:], wv[k0:], h1[k0:], c[k0:],
+                                         fail[k0:]):
+            if not off and not fk:
                 if k > k1:  # fits from here to the end: the targets stand
                     pj += g[k:]
                     vj += wv[k:]
                     break
-                p, q = g[k], wv[k]
-            elif _fits1(p, q, g[k], wv[k], h1[k], c[k], reach, lj):
-                p, q = g[k], wv[k]
+                p, q = gk, wk
+            elif _fits1(p, q, gk, wk, hk, ck, reach, lj):
+                p, q = gk, wk
                 off = False
             else:
-                p, q = _place1(p, q, g[k], h1[k], c[k], reach, lj)
+                p, q = _place1(p, q, gk, hk, ck, reach, lj)
                 off = True
             pj.append(p)
             vj.append(q)
