@@ -451,21 +451,25 @@ def _place1(p, v, goal, h, cap, step, lj):
     cap, it brakes at accel. At rest where cap is 0 (the last point). From rest, a parabola
     to rest goes nowhere: a cubic to rest as long as the limits allow is taken instead
     where it gets closer and fits (a single point's only way)."""
-    lo, hi, speed, accel = lj[:4]
+    lo, hi, speed, accel = lj[0], lj[1], lj[2], lj[3]
     e = abs(v)
     # In the frame where the goal lies ahead of where the joint would stop.
     stop = e * e / (2 * accel) + e * step
     stop = p + stop if v > 0 else p - stop if v < 0 else p + 0.0 * stop
     sign = 1.0 if goal >= stop else -1.0
-    x, w, g = sign * p, sign * v, sign * goal
-    # Speeding up (the room needed grows by a step per unit of speed gained) ...
-    b = h / 2 + 2 * step
-    c = g - x - h * w / 2 + w * step
-    up = 2 * c / (b + math.sqrt(b * b + 2 * abs(c) / accel))
-    # ... or slowing down (the room still needed is the start's).
-    c = g - x - h * w / 2 - w * step
-    down = 2 * c / (h / 2 + math.sqrt(h * h / 4 + 2 * abs(c) / accel))
-    want = math.inf if w < 0 else up if up >= w else down  # moving away: turn back
+    w = sign * v
+    if w < 0:
+        want = math.inf  # moving away: turn back
+    else:
+        ahead = sign * goal - sign * p - h * w / 2
+        # Speeding up (the room needed grows by a step per unit of speed gained) ...
+        b = h / 2 + 2 * step
+        c = ahead + w * step
+        want = 2 * c / (b + math.sqrt(b * b + 2 * abs(c) / accel))
+        if want < w:
+            # ... or slowing down (the room still needed is the start's).
+            c = ahead - w * step
+            want = 2 * c / (h / 2 + math.sqrt(h * h / 4 + 2 * abs(c) / accel))
     v1 = 0.0
     if cap > 0:
         dv = accel * h
