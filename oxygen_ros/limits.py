@@ -207,7 +207,7 @@ class JointLimits:
              else np.asarray(moving, dtype=np.float64)[idx].copy())
         w[~np.isfinite(w) | unknown] = 0.0
         raw = pos[:, idx]
-        goal = np.clip(raw, lo, hi)
+        goal = np.minimum(np.maximum(raw, lo), hi)  # np.clip, without its wrapper's cost
         h = np.empty((len(times), 1))  # the steps, the first from time 0
         h[0, 0] = times[0]
         h[1:, 0] = times[1:] - times[:-1]
@@ -510,14 +510,15 @@ def _place(ok, goal, want, h, cap, reach, start, w, checks):
     plain floats (numpy's per-call cost outweighs a dozen joints), from its first failing
     point: before it, and wherever a point fits from the target before it, the targets
     stand (`ok`, the check from target to target, is what placing would compute)."""
-    out, v = goal.copy(), want.copy()
     bad = ~ok
     h1 = h[:, 0].tolist()
     n = len(h1)
     cols = (goal.T.tolist(), want.T.tolist(), cap.T.tolist(), bad.T.tolist())
     firsts = np.argmax(bad, axis=0).tolist()
     lasts = (n - 1 - np.argmax(bad[::-1], axis=0)).tolist()
-    for j in np.flatnonzero(bad.any(axis=0)).tolist():
+    js = np.flatnonzero(bad.any(axis=0))
+    placed = ([], [])
+    for j in js.tolist():
         g, wv, c, fail = (x[j] for x in cols)
         k0, k1 = firsts[j], lasts[j]
         if k0 == 0:
@@ -543,5 +544,9 @@ def _place(ok, goal, want, h, cap, reach, start, w, checks):
                 off = True
             pj.append(p)
             vj.append(q)
-        out[:, j], v[:, j] = pj, vj
+        placed[0].append(pj)
+        placed[1].append(vj)
+    out, v = goal.copy(), want.copy()
+    out[:, js] = np.array(placed[0]).T
+    v[:, js] = np.array(placed[1]).T
     return out, v
