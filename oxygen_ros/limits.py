@@ -29,6 +29,9 @@ import numpy as np
 KEYS = ('lower', 'upper', 'velocity', 'acceleration', 'jerk')
 # Relative slack of the peak checks, for rounding only.
 TOL = 1e-9
+# Up to this many points x joints, apply() checks each point as it places it, in floats;
+# above, all at once with numpy first (about where the two cost the same).
+SMALL = 64
 
 
 @dataclass(frozen=True)
@@ -223,12 +226,18 @@ class JointLimits:
             want[0, unknown] = 0.0  # nothing to step from: the first point stands, at rest
             # Each point as targeted, with its velocity, checked as the controller will move
             # between them; only when one fails are the points after it placed in turn (each
-            # depends on where the one before ended).
-            v0 = np.empty_like(want)
-            v0[0] = w
-            v0[1:] = want[:-1]
-            ok = _fits(s, v0, goal, want, h, cap, reach, self._checks)
-            ok[0] |= unknown
+            # depends on where the one before ended). A few points are checked one by one
+            # as they are placed (numpy's cost per call outweighs them); many, all at once
+            # first.
+            if goal.size <= SMALL:
+                ok = np.zeros(goal.shape, dtype=bool)
+                ok[0] = unknown
+            else:
+                v0 = np.empty_like(want)
+                v0[0] = w
+                v0[1:] = want[:-1]
+                ok = _fits(s, v0, goal, want, h, cap, reach, self._checks)
+                ok[0] |= unknown
             out, v = goal, want
             if not ok.all():
                 out, v = _place(ok, goal, want, h, cap, reach, start, w, self._checks)
@@ -509,7 +518,8 @@ def _place(ok, goal, want, h, cap, reach, start, w, checks):
     its own earlier ones, so each joint that fails somewhere is placed on its own, in
     plain floats (numpy's per-call cost outweighs a dozen joints), from its first failing
     point: before it, and wherever a point fits from the target before it, the targets
-    stand (`ok`, the check from target to target, is what placing would compute)."""
+    stand (`ok`, the check from target to target, is what placing would compute; where it
+    is False a point is checked again from where the joint is)."""
     bad = ~ok
     h1 = h[:, 0].tolist()
     n = len(h1)
