@@ -36,8 +36,11 @@ FILES = ('limits.py', 'playback.py')
 
 def load(rev: str, where: pathlib.Path):
     """(limits module, playback module) of `rev` ('tree': the working tree), as a package
-    of their own under `where`."""
+    of their own under `where` (a revision named twice is loaded twice: an A/A run shows
+    the noise)."""
     name = 'lim_' + ''.join(c if c.isalnum() else '_' for c in rev)
+    while (where / name).exists():
+        name += '_'
     pkg = where / name
     pkg.mkdir()
     (pkg / '__init__.py').write_text('')
