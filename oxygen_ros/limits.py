@@ -162,6 +162,8 @@ class JointLimits:
                 continue
             over = self._beyond(x) - self.margin
             over[~np.isfinite(over)] = -np.inf  # NaN: not measured; inf margin: no range
+            if not (over > 0).any():
+                continue
             k, i = np.unravel_index(np.argmax(over), over.shape)
             if over[k, i] > 0:
                 return (f'joint limits: {self.names[i]} {what} {self._side(i, x[k, i])}, more '
@@ -511,6 +513,7 @@ def _place1(p, v, goal, h, cap, step, lj):
         if abs(rp - goal) < abs(bp - goal) and _fits1(p, v, rp, 0.0, h, cap, step, lj):
             return rp, 0.0
     return bp, v1
+
 
 def _place(ok, goal, want, h, cap, reach, start, w, checks):
     """(positions, velocities) [n, J] of the limited joints, each point placed in turn
