@@ -286,17 +286,22 @@ class JointLimits:
             m = max(1, min(int(horizon / step + 1e-9), math.ceil(need / step - 1e-9) + 1))
             times = step * np.arange(1, m + 1)
             cap = _cap(times, lim[2], lim[3])
-            x = at[idx]
             pos = np.repeat(at[None], m, axis=0)
             vel = np.zeros((m, len(at)))
-            p, q = x, w
-            for k in range(m):
-                # As hard as allowed: it keeps the room _reach says the command before
-                # left, from anywhere on the way.
-                q1 = np.where(np.abs(q) > lim[3] * step, q - np.sign(q) * lim[3] * step, 0.0)
-                q1 = np.where(cap[k] > 0, np.clip(q1, -cap[k], cap[k]), 0.0)
-                p, q = p + step * (q + q1) / 2, q1
-                pos[k, idx], vel[k, idx] = p, q
+            # Joint by joint, in floats (a joint at rest stays where it is).
+            for j in np.flatnonzero(w).tolist():
+                i = int(idx[j])
+                p, q, a = float(at[i]), float(w[j]), float(lim[3][j]) * step
+                ps, vs = [], []
+                for c in cap[:, j].tolist():
+                    # As hard as allowed: it keeps the room _reach says the command before
+                    # left, from anywhere on the way.
+                    q1 = (q - a if q > 0 else q + a) if abs(q) > a else 0.0
+                    q1 = (-c if q1 < -c else c if q1 > c else q1) if c > 0 else 0.0
+                    p, q = p + step * (q + q1) / 2, q1
+                    ps.append(p)
+                    vs.append(q)
+                pos[:, i], vel[:, i] = ps, vs
         return times, pos, vel
 
     def _at(self, idx):
