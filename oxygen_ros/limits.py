@@ -30,7 +30,10 @@ KEYS = ('lower', 'upper', 'velocity', 'acceleration', 'jerk')
 # Relative slack of the peak checks, for rounding only.
 TOL = 1e-9
 # Up to this many points x joints, apply() checks each point as it places it, in floats;
-# above, all at once with numpy first (about where the two cost the same).
+# above, all at once with numpy first. Checking all at once costs about as much as 50 checks
+# one by one and saves those of the points that fit; a moving joint is placed from its first
+# points on (DROID's 8 x 8 every tick it moves: some 50 us less per tick one by one), a
+# joint at rest on its targets not at all (some 50 us more).
 SMALL = 64
 
 

@@ -129,6 +129,8 @@ def inputs(rng, kind, lo, hi, n_chunks, length, period):
         if kind == 'smooth':
             # Slow sines over a fifth of the range: well within every speed limit.
             x = mid + 0.1 * span * np.sin(2 * np.pi * 0.3 * i + np.arange(len(lo)))
+        elif kind == 'still':
+            x = mid + 0 * i  # where the robot rests: every point fits
         else:
             x = rng.uniform(lo + 0.05 * span, hi - 0.05 * span, (length, len(lo)))
         out.append((t, x))
@@ -180,6 +182,11 @@ def main():
                          'to the first')
     ap.add_argument('--ticks', type=int, default=700)
     ap.add_argument('--repeats', type=int, default=3)
+    ap.add_argument('--kinds', nargs='+', default=['smooth', 'noise'],
+                    choices=['smooth', 'noise', 'still'])
+    ap.add_argument('--set', nargs=3, action='append', default=[], metavar=('N', 'NAME', 'VALUE'),
+                    help='set limits.NAME = VALUE (a number) in the N-th version, e.g. to '
+                         'compare a tuning constant')
     ap.add_argument('--wall', action='store_true',
                     help='wall-clock time instead of the thread\'s CPU time (which leaves out '
                          'the time other processes take the core)')
@@ -187,11 +194,13 @@ def main():
     clock = time.perf_counter_ns if a.wall else time.thread_time_ns
     with tempfile.TemporaryDirectory() as d:
         versions = [load(r, pathlib.Path(d)) for r in a.revs]
+        for n, name, value in a.set:
+            setattr(versions[int(n)][0], name, float(value))
         print(f'µs per Player.tick ({"wall clock" if a.wall else "CPU time"}), median (p90) '
               f'over {a.ticks} ticks x {a.repeats}; ratio: median / {a.revs[0]}')
         print(f'{"case":<16}' + ''.join(f'{r:>22}' for r in a.revs))
         for file in ('aloha.yaml', 'droid.yaml'):
-            for kind in ('smooth', 'noise'):
+            for kind in a.kinds:
                 us = [[] for _ in versions]
                 for rep in range(a.repeats):
                     got = case(versions, file, kind, a.ticks, rep, clock)
