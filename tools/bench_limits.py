@@ -3,18 +3,21 @@
 oxygen_ros/limits.py and playback.py, interleaved tick by tick in one run.
 
     python tools/bench_limits.py                        # 5cdb457 (speed only) vs this tree
-    python tools/bench_limits.py --revs 5cdb457 ded50d8 --ticks 700 --repeats 3
+    python tools/bench_limits.py --revs 5cdb457 eb58720 tree --ticks 700 --repeats 3
+    python tools/bench_limits.py --revs tree tree       # A/A: the noise of the machine
+    python tools/bench_limits.py --revs tree tree --set 1 SMALL 0 --kinds smooth still
 
 Each version (a git revision, or `tree` for the working tree) is loaded from its own copy
 of the two files, so versions with different limits (5cdb457 knows only position and speed)
-run side by side. Four cases, from the robot files' joint limits, action rate and
+run side by side. The cases, from the robot files' joint limits, action rate and
 play_steps at 70 Hz with a 0.5 s horizon: ALOHA and DROID, each with smooth chunks (slow
-sines, well within the limits) and with white-noise chunks (uniform over the range). Each
-version drives its own modelled controller (perfect tracking of the cubic it was sent), so
-each sees the measured positions its own commands lead to; the chunks and their arrival
-times are the same for all. Prints the median and 90th percentile microseconds per tick (the
-thread's CPU time: on a shared machine wall-clock times mostly measure the neighbours) and
-each version's median over the first's. Needs only numpy and PyYAML (no ROS).
+sines, well within the limits), white-noise chunks (uniform over the range) and, with
+--kinds, still ones (targets where the robot rests). Each version drives its own modelled
+controller (perfect tracking of the cubic it was sent), so each sees the measured positions
+its own commands lead to; the chunks and their arrival times are the same for all. Prints
+the median and 90th percentile microseconds per tick (the thread's CPU time: on a shared
+machine wall-clock times mostly measure the neighbours) and each version's median over the
+first's. Needs only numpy and PyYAML (no ROS).
 """
 
 from __future__ import annotations
