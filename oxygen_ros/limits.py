@@ -29,6 +29,12 @@ import numpy as np
 KEYS = ('lower', 'upper', 'velocity', 'acceleration', 'jerk')
 # Relative slack of the peak checks, for rounding only.
 TOL = 1e-9
+# Up to this many points x joints, apply() checks each point as it places it, in floats;
+# above, all at once with numpy first. Checking all at once costs about as much as 50 checks
+# one by one and saves those of the points that fit; a moving joint is placed from its first
+# points on (DROID's 8 x 8 every tick it moves: some 50 us less per tick one by one), a
+# joint at rest on its targets not at all (some 50 us more).
+SMALL = 64
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,12 @@ class JointLimits:
             self.accel[i], self.jerk[i] = lim.acceleration, lim.jerk
             self.names[i] = name
         self.index = np.array(sorted(limits), dtype=np.int64)
+        # What apply() needs of the limited joints, made once (the arrays are not changed
+        # after this): the limits, and those the peak checks compare with (_Checks).
+        self._lim = self._at(self.index)
+        self._checks = _Checks(self._lim)
         self.hold_margin = hold_margin
+        self.rates = {i: self._rates(i) for i in limits}  # for the findings' text
         span = self.upper - self.lower
         self.margin = np.full(dim, np.inf)
         ranged = np.isfinite(span)
@@ -154,6 +165,8 @@ class JointLimits:
                 continue
             over = self._beyond(x) - self.margin
             over[~np.isfinite(over)] = -np.inf  # NaN: not measured; inf margin: no range
+            if not (over > 0).any():
+                continue
             k, i = np.unravel_index(np.argmax(over), over.shape)
             if over[k, i] > 0:
                 return (f'joint limits: {self.names[i]} {what} {self._side(i, x[k, i])}, more '
@@ -193,7 +206,7 @@ class JointLimits:
         idx = self.index
         if not len(idx):
             return Limited(pos, vel)
-        lim = self._at(idx)
+        lim = self._lim
         lo, hi = lim[0], lim[1]
         start = (np.full(len(idx), np.nan) if measured is None
                  else np.asarray(measured, dtype=np.float64)[idx])
@@ -202,55 +215,45 @@ class JointLimits:
              else np.asarray(moving, dtype=np.float64)[idx].copy())
         w[~np.isfinite(w) | unknown] = 0.0
         raw = pos[:, idx]
-        goal = np.clip(raw, lo, hi)
-        h = np.diff(times, prepend=0.0)[:, None]
+        goal = np.minimum(np.maximum(raw, lo), hi)  # np.clip, without its wrapper's cost
+        h = np.empty((len(times), 1))  # the steps, the first from time 0
+        h[0, 0] = times[0]
+        h[1:, 0] = times[1:] - times[:-1]
         reach = max(float(h.max()), step)  # the longest step a command may start with
-        cap = _cap(times, lim[2], lim[3])
         with np.errstate(invalid='ignore', divide='ignore'):
-            want = _monotone(vel[:, idx], start, goal, h)
+            cap = _cap(times, lim[2], lim[3])
+            # The mean speed of each step, the first from `start`.
+            s = np.empty_like(goal)
+            s[0] = goal[0] - start
+            s[1:] = goal[1:] - goal[:-1]
+            s /= h
+            want = _monotone(vel[:, idx], s)
             want[0, unknown] = 0.0  # nothing to step from: the first point stands, at rest
             # Each point as targeted, with its velocity, checked as the controller will move
             # between them; only when one fails are the points after it placed in turn (each
-            # depends on where the one before ended).
-            ok = _fits(np.concatenate([start[None], goal[:-1]]),
-                       np.concatenate([w[None], want[:-1]]), goal, want, h, cap, reach, lim)
-            ok[0] |= unknown
+            # depends on where the one before ended). A few points are checked one by one
+            # as they are placed (numpy's cost per call outweighs them); many, all at once
+            # first.
+            if goal.size <= SMALL:
+                ok = np.zeros(goal.shape, dtype=bool)
+                ok[0] = unknown
+            else:
+                v0 = np.empty_like(want)
+                v0[0] = w
+                v0[1:] = want[:-1]
+                ok = _fits(s, v0, goal, want, h, cap, reach, self._checks)
+                ok[0] |= unknown
             out, v = goal, want
             if not ok.all():
-                out, v = goal.copy(), want.copy()
-                off = np.zeros(len(idx), dtype=bool)  # placed away from its target
-                p, q = start, w
-                for k in range(len(times)):
-                    if off.any() or not ok[k].all():
-                        fine = _fits(p, q, goal[k], want[k], h[k], cap[k], reach, lim)
-                        if k == 0:
-                            fine |= unknown
-                        bp, bv = _toward(p, q, goal[k], h[k], reach, cap[k], lim[3])
-                        # From rest, a parabola to rest goes nowhere: a cubic to rest as
-                        # long as the limits allow gets there (a single point's only way).
-                        rest = (q == 0) & (bv == 0) & ~fine
-                        if rest.any():
-                            # Its peak: 6 / h^2 and 1.5 / h per unit moved, and the room to
-                            # stop (see _fits) 1.5 step / h more.
-                            room = np.where(goal[k] >= p, hi - p, p - lo) * (1 - 1e-9)
-                            d = np.minimum(np.minimum(lim[3] * h[k] ** 2 / 6,
-                                                      lim[2] * h[k] / 1.5),
-                                           np.maximum(room, 0.0) / (1 + 1.5 * reach / h[k]))
-                            rp = p + np.clip(goal[k] - p, -d, d)
-                            rest &= np.abs(rp - goal[k]) < np.abs(bp - goal[k])
-                            rest &= _fits(p, q, rp, 0.0, h[k], cap[k], reach, lim)
-                            bp, bv = np.where(rest, rp, bp), np.where(rest, 0.0, bv)
-                        out[k] = np.where(fine, goal[k], bp)
-                        v[k] = np.where(fine, want[k], bv)
-                        off = ~fine
-                    p, q = out[k], v[k]
+                out, v = _place(ok, goal, want, h, cap, reach, start, w, self._checks)
         pos[:, idx] = out
         vel[:, idx] = v
         findings = []
         over = np.maximum(raw - hi, lo - raw)
         beyond = over.max(axis=0)
-        slowed = np.abs(out - goal).max(axis=0)
-        for j, i in enumerate(idx):
+        slowed = np.abs(out - goal).max(axis=0) if out is not goal else np.zeros(len(idx))
+        for j in np.flatnonzero((beyond > 0) | (slowed > 0)).tolist():
+            i = int(idx[j])
             name = self.names[i]
             if beyond[j] > 0:
                 k = int(np.argmax(over[:, j]))
@@ -260,7 +263,7 @@ class JointLimits:
             if slowed[j] > 0:
                 findings.append(Finding('speed', name, float(slowed[j]),
                                         f'joint limits: {name} targets move faster than '
-                                        f'{self._rates(i)} allow; held back by up to '
+                                        f'{self.rates[i]} allow; held back by up to '
                                         f'{slowed[j]:.4g}'))
         if measured is not None:
             findings += self.outside(measured)
@@ -288,17 +291,22 @@ class JointLimits:
             m = max(1, min(int(horizon / step + 1e-9), math.ceil(need / step - 1e-9) + 1))
             times = step * np.arange(1, m + 1)
             cap = _cap(times, lim[2], lim[3])
-            x = at[idx]
             pos = np.repeat(at[None], m, axis=0)
             vel = np.zeros((m, len(at)))
-            p, q = x, w
-            for k in range(m):
-                # As hard as allowed: it keeps the room _reach says the command before
-                # left, from anywhere on the way.
-                q1 = np.where(np.abs(q) > lim[3] * step, q - np.sign(q) * lim[3] * step, 0.0)
-                q1 = np.where(cap[k] > 0, np.clip(q1, -cap[k], cap[k]), 0.0)
-                p, q = p + step * (q + q1) / 2, q1
-                pos[k, idx], vel[k, idx] = p, q
+            # Joint by joint, in floats (a joint at rest stays where it is).
+            for j in np.flatnonzero(w).tolist():
+                i = int(idx[j])
+                p, q, a = float(at[i]), float(w[j]), float(lim[3][j]) * step
+                ps, vs = [], []
+                for c in cap[:, j].tolist():
+                    # As hard as allowed: it keeps the room _reach says the command before
+                    # left, from anywhere on the way.
+                    q1 = (q - a if q > 0 else q + a) if abs(q) > a else 0.0
+                    q1 = (-c if q1 < -c else c if q1 > c else q1) if c > 0 else 0.0
+                    p, q = p + step * (q + q1) / 2, q1
+                    ps.append(p)
+                    vs.append(q)
+                pos[:, i], vel[:, i] = ps, vs
         return times, pos, vel
 
     def _at(self, idx):
@@ -354,77 +362,214 @@ def _cap(times, speed, accel):
     """[n, J] the largest speed at each point from which the joint can still be at rest at
     the last point."""
     rest = (times[-1] - times)[:, None]
-    with np.errstate(invalid='ignore'):
-        return np.minimum(speed, np.where(rest > 0, accel * rest, 0.0))
+    return np.minimum(speed, np.where(rest > 0, accel * rest, 0.0))  # inf * 0 is NaN
 
 
-def _monotone(given, start, goal, h):
+def _monotone(given, s):
     """The given velocities at the points, made to keep the cubic from each point to the
     next monotone (Fritsch and Carlson's sufficient condition): 0 unless both neighbouring
-    steps (the first from `start`) go its way, and at most 3 times the slower one's mean
-    speed. The last point is at rest."""
-    s = np.diff(np.concatenate([start[None], goal]), axis=0) / h
-    right = np.concatenate([s[1:], np.zeros((1, s.shape[1]))])
-    bound = 3 * np.minimum(np.abs(s), np.abs(right))
-    v = np.clip(given, -bound, bound)
+    steps (s: their mean speeds, the first from where the motion starts) go its way, and at
+    most 3 times the slower one's mean speed. The last point is at rest."""
+    right = np.zeros_like(s)
+    right[:-1] = s[1:]
+    size = np.abs(s)
+    bound = np.zeros_like(s)
+    np.minimum(size[:-1], size[1:], out=bound[:-1])
+    bound *= 3
+    v = np.minimum(np.maximum(given, -bound), bound)
     return np.where((v * s > 0) & (v * right > 0), v, 0.0)
 
 
-def _fits(p0, v0, p1, v1, h, cap, step, lim):
+class _Checks:
+    """The limited joints' limits as the peak checks use them: arrays (lower, upper,
+    speed, acceleration, jerk) for _fits, with the bounds it compares with made once, and
+    per joint the floats _fits1 and _place1 take."""
+
+    def __init__(self, lim):
+        lo, hi, speed, accel, jerk = lim
+        self.lim = lim
+        self.smax, self.amax, self.jmax = speed * (1 + TOL), accel * (1 + TOL), jerk * (1 + TOL)
+        self.lo, self.hi = lo - 1e-12, hi + 1e-12
+        # Without a finite one the check passes for every finite value: skipped.
+        self.accel_free = not np.isfinite(accel).any()
+        self.jerk_free = not np.isfinite(jerk).any()
+        self.joints = [tuple(x) for x in zip(*(a.tolist() for a in (
+            lo, hi, speed, accel, jerk, self.smax, self.amax, self.jmax)), strict=True)]
+
+
+def _fits(s, v0, p1, v1, h, cap, step, c):
     """Whether the cubic Hermite the controller moves along from (p0, v0) to (p1, v1) in h
     s is monotone and within the limits at its peak, and the joint can still stop in its
-    range and by the last point (|v1| <= cap)."""
-    lo, hi, speed, accel, jerk = lim
-    s = (p1 - p0) / h
-    # The acceleration is linear in time: its peaks are at the ends; the jerk is constant.
-    a0 = (6 * s - 4 * v0 - 2 * v1) / h
-    a1 = (2 * v0 + 4 * v1 - 6 * s) / h
-    ok = np.maximum(np.abs(a0), np.abs(a1)) <= accel * (1 + TOL)
-    ok &= np.abs(a1 - a0) / h <= jerk * (1 + TOL)
-    # The speed peaks at an end or where the acceleration changes sign (the velocity is a
-    # parabola): a0 * u h / 2 past v0 at the fraction u of the step.
-    turn = a0 * a1 < 0
-    u = np.where(turn, a0 / np.where(turn, a0 - a1, 1.0), 0.0)
-    ends = np.maximum(np.abs(v0), np.abs(v1))
-    inner = np.abs(v0 + a0 * u * h / 2)
-    top = np.where(turn, np.maximum(ends, inner), ends)
-    ok &= top <= speed * (1 + TOL)
+    range and by the last point (|v1| <= cap). s: (p1 - p0) / h; c: _Checks."""
+    e0, e1 = np.abs(v0), np.abs(v1)
     slack = 3 * np.abs(s) * (1 + TOL)
-    ok &= (s * v0 >= 0) & (s * v1 >= 0) & (np.abs(v0) <= slack) & (np.abs(v1) <= slack)
-    ok &= np.abs(v1) <= cap * (1 + TOL)
+    ok = (s * v0 >= 0) & (s * v1 >= 0) & (e0 <= slack) & (e1 <= slack)
+    ok &= e1 <= cap * (1 + TOL)
+    # The acceleration is linear in time: its peaks are at the ends; the jerk is constant.
+    s6 = 6 * s
+    a0 = (s6 - 4 * v0 - 2 * v1) / h
+    a1 = (2 * v0 + 4 * v1 - s6) / h
+    if not c.accel_free:
+        ok &= np.maximum(np.abs(a0), np.abs(a1)) <= c.amax
+    if not c.jerk_free:
+        ok &= np.abs(a1 - a0) / h <= c.jmax
+    # The speed peaks at an end or where the acceleration changes sign (the velocity is a
+    # parabola): a0 * u h / 2 past v0 at the fraction u = a0 / (a0 - a1) of the step (used
+    # only where it turns).
+    turn = a0 * a1 < 0
+    inner = np.abs(v0 + a0 * (a0 / (a0 - a1)) * h / 2)
+    ends = np.maximum(e0, e1)
+    top = np.where(turn, np.maximum(ends, inner), ends)
+    ok &= top <= c.smax
     # Room to stop, from anywhere on the way (a new command may start at any moment): what
     # the end needs, plus a step for each unit of speed lost before it (braking at a step's
     # distance per unit of speed lost is what the end's room does not cover).
-    bottom = np.where(turn, np.minimum(np.minimum(np.abs(v0), np.abs(v1)), inner),
-                      np.minimum(np.abs(v0), np.abs(v1)))
-    end = p1 + np.sign(s) * (_reach(np.abs(v1), accel, step) + (top - bottom) * step)
-    return ok & (end <= hi + 1e-12) & (end >= lo - 1e-12)
+    least = np.minimum(e0, e1)
+    bottom = np.where(turn, np.minimum(least, inner), least)
+    end = p1 + np.sign(s) * (_reach(e1, c.lim[3], step) + (top - bottom) * step)
+    return ok & (end <= c.hi) & (end >= c.lo)
 
 
-def _toward(p, v, goal, h, step, cap, accel):
-    """(position, velocity) h s on from (p, v), moving with constant acceleration (the
-    controller's cubic is then a parabola: velocity linear, its peak at an end, no turn
-    inside), as close to `goal` as the limits allow while it keeps the room to stop there
-    (_reach; _fits' room condition for this parabola). The velocity changes by at most
-    accel * h, stays within cap and does not change sign (a reversal passes through rest
-    at a point); too fast to keep to cap, it brakes at accel. At rest where cap is 0 (the
-    last point)."""
+def _fits1(p0, v0, p1, v1, h, cap, step, lj):
+    """_fits for one joint and segment, in floats: the same operations in the same order,
+    so the same answer to the last bit (comparisons, not max and min: calls cost more than
+    the arithmetic here). lj: lower, upper, speed, acceleration, jerk, and the last three
+    times 1 + TOL."""
+    lo, hi, _, accel, _, smax, amax, jmax = lj
+    s = (p1 - p0) / h
+    # The cheap conditions first (the order of a conjunction does not change it).
+    if not (s * v0 >= 0 and s * v1 >= 0):
+        return False
+    a0 = (6 * s - 4 * v0 - 2 * v1) / h
+    a1 = (2 * v0 + 4 * v1 - 6 * s) / h
+    if not (abs(a0) <= amax and abs(a1) <= amax and abs(a1 - a0) / h <= jmax):
+        return False
+    e0, e1 = abs(v0), abs(v1)
+    slack = 3 * abs(s) * (1 + TOL)
+    if not (e0 <= slack and e1 <= slack and e1 <= cap * (1 + TOL)):
+        return False
+    top, bottom = (e0, e1) if e0 >= e1 else (e1, e0)
+    if a0 * a1 < 0:  # the speed turns inside
+        inner = abs(v0 + a0 * (a0 / (a0 - a1)) * h / 2)
+        if inner > top:
+            top = inner
+        elif inner < bottom:
+            bottom = inner
+    if not top <= smax:
+        return False
+    room = e1 * e1 / (2 * accel) + e1 * step + (top - bottom) * step
+    end = p1 + room if s > 0 else p1 - room if s < 0 else p1 + 0.0 * room
+    return end <= hi + 1e-12 and end >= lo - 1e-12
+
+
+def _place1(p, v, goal, h, cap, step, lj):
+    """(position, velocity) of a point that does not fit, for one joint (lj as _fits1):
+    h s on from (p, v), moving with constant acceleration (the controller's cubic is then a
+    parabola: velocity linear, its peak at an end, no turn inside), as close to `goal` as
+    the limits allow while it keeps the room to stop there (_reach; _fits' room condition
+    for this parabola). The velocity changes by at most accel * h, stays within cap and
+    does not change sign (a reversal passes through rest at a point); too fast to keep to
+    cap, it brakes at accel. At rest where cap is 0 (the last point). From rest, a parabola
+    to rest goes nowhere: a cubic to rest as long as the limits allow is taken instead
+    where it gets closer and fits (a single point's only way)."""
+    lo, hi, speed, accel = lj[0], lj[1], lj[2], lj[3]
+    e = abs(v)
     # In the frame where the goal lies ahead of where the joint would stop.
-    sign = np.where(goal >= p + np.sign(v) * _reach(np.abs(v), accel, step), 1.0, -1.0)
-    x, w, g = sign * p, sign * v, sign * goal
-    # Speeding up (the room needed grows by a step per unit of speed gained) ...
-    b = h / 2 + 2 * step
-    c = g - x - h * w / 2 + w * step
-    up = 2 * c / (b + np.sqrt(b * b + 2 * np.abs(c) / accel))
-    # ... or slowing down (the room still needed is the start's).
-    c = g - x - h * w / 2 - w * step
-    down = 2 * c / (h / 2 + np.sqrt(h * h / 4 + 2 * np.abs(c) / accel))
-    want = np.where(w < 0, np.inf, np.where(up >= w, up, down))  # moving away: turn back
-    dv = accel * h
-    low = np.maximum(v - dv, -cap)
-    high = np.minimum(v + dv, cap)
-    low = np.where(v > 0, np.maximum(low, 0.0), low)
-    high = np.where(v < 0, np.minimum(high, 0.0), high)
-    v1 = np.where(low > high, v - np.sign(v) * dv, np.clip(sign * want, low, high))
-    v1 = np.where(cap > 0, v1, 0.0)
-    return p + h * (v + v1) / 2, v1
+    stop = e * e / (2 * accel) + e * step
+    stop = p + stop if v > 0 else p - stop if v < 0 else p + 0.0 * stop
+    sign = 1.0 if goal >= stop else -1.0
+    w = sign * v
+    if w < 0:
+        want = math.inf  # moving away: turn back
+    else:
+        ahead = sign * goal - sign * p - h * w / 2
+        # Speeding up (the room needed grows by a step per unit of speed gained) ...
+        b = h / 2 + 2 * step
+        c = ahead + w * step
+        want = 2 * c / (b + math.sqrt(b * b + 2 * abs(c) / accel))
+        if want < w:
+            # ... or slowing down (the room still needed is the start's).
+            c = ahead - w * step
+            want = 2 * c / (h / 2 + math.sqrt(h * h / 4 + 2 * abs(c) / accel))
+    v1 = 0.0
+    if cap > 0:
+        dv = accel * h
+        low, high = v - dv, v + dv
+        if low < -cap:
+            low = -cap
+        if high > cap:
+            high = cap
+        if v > 0 and low < 0:
+            low = 0.0
+        elif v < 0 and high > 0:
+            high = 0.0
+        if low > high:
+            v1 = v - dv if v > 0 else v + dv  # v is not 0 here
+        else:
+            v1 = sign * want
+            v1 = low if v1 < low else high if v1 > high else v1
+    bp = p + h * (v + v1) / 2
+    if v == 0 and v1 == 0:
+        # The cubic to rest: its peak is 6 / h^2 and 1.5 / h per unit moved, and the room
+        # to stop (see _fits) 1.5 step / h more.
+        room = (hi - p if goal >= p else p - lo) * (1 - 1e-9)
+        d = accel * (h * h) / 6
+        d2 = speed * h / 1.5
+        d3 = (room if room > 0 else 0.0) / (1 + 1.5 * step / h)
+        d = d if d <= d2 else d2
+        d = d if d <= d3 else d3
+        rp = goal - p
+        rp = p + (-d if rp < -d else d if rp > d else rp)
+        if abs(rp - goal) < abs(bp - goal) and _fits1(p, v, rp, 0.0, h, cap, step, lj):
+            return rp, 0.0
+    return bp, v1
+
+
+def _place(ok, goal, want, h, cap, reach, start, w, checks):
+    """(positions, velocities) [n, J] of the limited joints, each point placed in turn
+    from where the one before left its joint (see apply). A joint's points depend only on
+    its own earlier ones, so each joint that fails somewhere is placed on its own, in
+    plain floats (numpy's per-call cost outweighs a dozen joints), from its first failing
+    point: before it, and wherever a point fits from the target before it, the targets
+    stand (`ok`, the check from target to target, is what placing would compute; where it
+    is False a point is checked again from where the joint is)."""
+    bad = ~ok
+    h1 = h[:, 0].tolist()
+    n = len(h1)
+    cols = (goal.T.tolist(), want.T.tolist(), cap.T.tolist(), bad.T.tolist())
+    firsts = np.argmax(bad, axis=0).tolist()
+    lasts = (n - 1 - np.argmax(bad[::-1], axis=0)).tolist()
+    js = np.flatnonzero(bad.any(axis=0))
+    placed = ([], [])
+    for j in js.tolist():
+        g, wv, c, fail = (x[j] for x in cols)
+        k0, k1 = firsts[j], lasts[j]
+        if k0 == 0:
+            p, q = float(start[j]), float(w[j])
+        else:
+            p, q = g[k0 - 1], wv[k0 - 1]
+        lj = checks.joints[j]
+        pj, vj = g[:k0], wv[:k0]
+        off = False
+        for k, gk, wk, hk, ck, fk in zip(range(k0, n), g[k0:], wv[k0:], h1[k0:], c[k0:],
+                                         fail[k0:]):
+            if not off and not fk:
+                if k > k1:  # fits from here to the end: the targets stand
+                    pj += g[k:]
+                    vj += wv[k:]
+                    break
+                p, q = gk, wk
+            elif _fits1(p, q, gk, wk, hk, ck, reach, lj):
+                p, q = gk, wk
+                off = False
+            else:
+                p, q = _place1(p, q, gk, hk, ck, reach, lj)
+                off = True
+            pj.append(p)
+            vj.append(q)
+        placed[0].append(pj)
+        placed[1].append(vj)
+    out, v = goal.copy(), want.copy()
+    out[:, js] = np.array(placed[0]).T
+    v[:, js] = np.array(placed[1]).T
+    return out, v

@@ -110,6 +110,88 @@ def test_random_commands_are_in_range_and_speed_feasible():
         assert np.all(out.velocities[-1] == 0)
 
 
+def mixed_limits():
+    """Four joints: the FR3's kind (speed, acceleration, jerk), a tight range with an
+    acceleration only, a speed only (ALOHA's kind), no range at all."""
+    return JointLimits(5, {0: ('g/a', Limit(-2.7, 2.7, 2.6, 10.0, 5000.0)),
+                           1: ('g/b', Limit(0.0, 0.8, 0.5, 3.0)),
+                           2: ('g/c', Limit(-1.8, 1.2, 3.1)),
+                           3: ('g/d', Limit(velocity=1.0, acceleration=20.0))}, 0.1)
+
+
+def adversarial(rng, n):
+    """(times, targets, velocities, measured, moving, step) for mixed_limits: noise, jumps
+    and smooth runs, out of range, starts unknown or beyond a limit, spacing uneven."""
+    times = np.cumsum(rng.choice([1 / 70, 1 / 15, 0.02]) * (
+        np.ones(n) if rng.random() < 0.6 else rng.uniform(0.5, 1.5, n)))
+    times[0] *= rng.uniform(0.05, 1.0)
+    kind = rng.integers(3)
+    if kind == 0:
+        raw = rng.uniform(-3, 3, (n, 5))
+    elif kind == 1:
+        raw = np.where(np.arange(n)[:, None] < rng.integers(n + 1), *rng.uniform(-3, 3, (2, 5)))
+    else:
+        raw = np.cumsum(rng.normal(0, 0.05, (n, 5)), axis=0) + rng.uniform(-1, 1, 5)
+    vel = rng.normal(0, 3, (n, 5))
+    measured = rng.uniform(-3, 3, 5)
+    measured[rng.random(5) < 0.2] = np.nan
+    moving = rng.normal(0, 2, 5) * rng.choice([0.0, 0.1, 1.0, 5.0])
+    return times, raw, vel, measured, moving, float(rng.choice([0.0, 1 / 70, 1 / 15]))
+
+
+def test_checking_points_as_placed_or_all_at_once_agrees(monkeypatch):
+    # apply() checks a few points one by one as it places them and many all at once
+    # first: the same points either way, to the last bit.
+    import oxygen_ros.limits as limits
+
+    lim = mixed_limits()
+    rng = np.random.default_rng(3)
+    moved = 0
+    for _ in range(300):
+        case = adversarial(rng, int(rng.integers(1, 30)))
+        monkeypatch.setattr(limits, 'SMALL', 0)
+        a = lim.apply(*case)
+        monkeypatch.setattr(limits, 'SMALL', 10 ** 9)
+        b = lim.apply(*case)
+        assert np.array_equal(a.positions, b.positions)
+        assert np.array_equal(a.velocities, b.velocities)
+        assert a.findings == b.findings
+        moved += any(f.kind == 'speed' for f in a.findings)
+    assert moved > 200  # most cases had points placed away from their targets
+
+
+def test_the_per_joint_check_is_the_array_check():
+    # _fits1 (one joint, floats) must answer as _fits (numpy) does, on the segments between
+    # placed points (at the limits by construction, where a slip would show) and between
+    # random ones.
+    import oxygen_ros.limits as limits
+
+    lim = mixed_limits()
+    checks = lim._checks
+    rng = np.random.default_rng(5)
+    answers = []
+    for _ in range(100):
+        times, raw, vel, measured, moving, step = adversarial(rng, int(rng.integers(2, 30)))
+        out = lim.apply(times, raw, vel, measured, moving, step)
+        h = np.diff(times, prepend=0.0)[:, None]
+        reach = max(float(h.max()), step)
+        with np.errstate(invalid='ignore'):
+            cap = limits._cap(times, *checks.lim[2:4])
+        for p, v in ((out.positions[:, :4], out.velocities[:, :4]),
+                     (rng.uniform(-3, 3, (len(times), 4)), rng.normal(0, 3, (len(times), 4)))):
+            p0, v0, p1, v1 = p[:-1], v[:-1], p[1:], v[1:]
+            with np.errstate(invalid='ignore', divide='ignore'):
+                whole = limits._fits((p1 - p0) / h[1:], v0, p1, v1, h[1:], cap[1:], reach,
+                                     checks)
+            for k, j in np.ndindex(whole.shape):
+                one = limits._fits1(float(p0[k, j]), float(v0[k, j]), float(p1[k, j]),
+                                    float(v1[k, j]), float(h[k + 1, 0]), float(cap[k + 1, j]),
+                                    reach, checks.joints[j])
+                assert one == bool(whole[k, j]), (k, j)
+            answers += whole.ravel().tolist()
+    assert 0.05 < np.mean(answers) < 0.95  # both answers, often
+
+
 def test_measured_beyond_a_limit_goes_to_the_limit_and_is_said():
     lim = one_joint(velocity=math.inf)
     out = lim.apply(np.array([0.1]), np.array([[1.3, 0.0]]), np.zeros((1, 2)),
