@@ -74,10 +74,15 @@ def ros2(domain, *args, timeout=90):
 @pytest.fixture(scope='module')
 def user(domain, tmp_path_factory):
     tmp = tmp_path_factory.mktemp('cli')
-    # The CLI starts a daemon for the domain on first use; stop it afterwards unless it was
-    # there already.
+    # The CLI starts a daemon for the domain on first use, and a call made while that one
+    # is still discovering answers "Node not found" although the call before it (made
+    # without the daemon) found the node. Started first, the daemon is what every call
+    # asks; it is stopped afterwards unless it was there already.
     _, status, _ = ros2(domain, 'daemon', 'status', timeout=30)
     had_daemon = 'is running' in status
+    if not had_daemon:
+        code, out, err = ros2(domain, 'daemon', 'start', timeout=60)
+        assert code == 0, out + err
     try:
         with node_process(tmp, CLI, domain, 'cli_user', Robot,
                           '-r', 'front/image:=/remapped/front') as (proc, u):
@@ -86,9 +91,10 @@ def user(domain, tmp_path_factory):
             assert wait_for(lambda: 'unconfigured: waiting' in u.log() or proc.poll() is not None,
                             60), u.log()
             assert proc.poll() is None, u.log()
-            # As a user would: the node listed before it is addressed (a CLI call made before
-            # discovery has found it answers "Node not found").
-            assert wait_for(lambda: NODE in cli(u, 'node', 'list')[1].split(), 60, 1.0), (
+            # The lifecycle verbs address a node only once discovery has brought its
+            # lifecycle services (before that, "Node not found"): wait, as a user would, for
+            # `ros2 lifecycle nodes` to list it.
+            assert wait_for(lambda: NODE in cli(u, 'lifecycle', 'nodes')[1].split(), 90, 1.0), (
                 u.log())
             yield u
     finally:
@@ -116,7 +122,9 @@ def commanding(user, seconds=1.0):
 
 
 def test_interface_show_prints_the_action_definition(domain):
-    code, out, err = ros2(domain, 'interface', 'show', 'oxygen_ros/action/Ask', timeout=60)
+    words = readme_command('ros2 interface show')
+    assert words == ['ros2', 'interface', 'show', 'oxygen_ros/action/Ask'], words
+    code, out, err = ros2(domain, *words[1:], timeout=60)
     assert code == 0, err
     source = (ROOT / 'action' / 'Ask.action').read_text()
     # The file as written, with the nested builtin_interfaces/Time expanded under each
@@ -234,6 +242,7 @@ def test_param_set_refused_prints_the_reason_and_keeps_the_value(user):
     assert param_get(user, 'decode_k') == f'Integer value is: {CLI["decode_k"]}'
     out = param_set(user, 'temperature', 'hot')
     assert out == "Setting parameter failed: parameter temperature must be float, got 'hot'", out
+    assert param_get(user, 'temperature') == 'Double value is: 0.0'
 
 
 def blocks(out, title):
@@ -297,11 +306,11 @@ def test_lifecycle_set_deactivate_holds_then_silence(user):
     assert state(user) == 'inactive [2]'
     time.sleep(0.5)
     sent = [m for _, m in user.traj[start:]]
-    # Anything sent before the hold was in flight already; the hold comes last, once.
+    # Anything sent before the hold was in flight already; the hold comes last. (A loaded
+    # machine may also have held for a used-up chunk while the command ran.)
     hold = sent[-1] if sent else None
     assert hold is not None and len(hold.points) == 1, sent[-1:]
     assert list(hold.points[0].positions) == pytest.approx(MEASURED)
     assert list(hold.points[0].velocities) == [0.0] * len(ARM)
-    assert sum(len(m.points) == 1 and list(m.points[0].velocities) == [0.0] * len(ARM)
-               and list(m.points[0].positions) == pytest.approx(MEASURED) for m in sent) == 1
+    assert user.log().count('holding: deactivated') == 1, user.log()[-3000:]
     assert not commanding(user), 'commands after deactivate'
