@@ -271,6 +271,9 @@ class Config:
     # Per action index, where its measured position is read for a hold: (source, joint).
     hold_sources: dict[int, tuple[str, str]] = field(default_factory=dict)
     limits: JointLimits | None = None
+    # max_new_tokens the engine's KV cache was sized for at configure (None before): a live
+    # value may go back up to it, not past it.
+    sized_tokens: int | None = None
 
     @classmethod
     def from_values(cls, values: dict) -> Config:
@@ -335,9 +338,10 @@ class Config:
             raise StartError(f'{name} cannot change while the node runs; set it before '
                              'configure (restart the node)')
         value = coerce(name, value, p)
-        if name == 'max_new_tokens' and value > self.p['max_new_tokens']:
-            raise StartError(f'max_new_tokens may only be lowered while running: the KV cache '
-                             f'was sized for {self.p["max_new_tokens"]}')
+        if name == 'max_new_tokens' and self.sized_tokens is not None \
+                and value > self.sized_tokens:
+            raise StartError(f'max_new_tokens may not exceed {self.sized_tokens} while '
+                             'configured: the KV cache was sized for it')
         if name == 'decode_k' and (value == 0) != (self.p['decode_k'] == 0):
             raise StartError('decode_k cannot switch between adaptive (0) and fixed while '
                              'running')

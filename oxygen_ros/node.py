@@ -210,6 +210,8 @@ class OxygenNode(LifecycleNode):
             self.engine.cfg = dataclasses.replace(self.engine.cfg, temperature=value)
         elif self.engine is not None and name == 'decode_k':
             self.engine.scheduler.decode_k = value
+        elif self.engine is not None and name == 'max_new_tokens':
+            self.engine.budget = value  # questions' budget and their default
         self.log.info(f'parameter {name} = {value!r}')
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -292,6 +294,7 @@ class OxygenNode(LifecycleNode):
         except Exception as e:  # e.g. a corrupt safetensors file raises its own error type
             raise StartError(f'cannot start the engine: {type(e).__name__}: {e}') from None
         e = self.engine
+        cfg.sized_tokens = e.cfg.max_new_tokens
         cfg.check_engine(e.slots, e.action_dim, e.state_dim, e.conventions == 'lerobot')
         self._setup_ros()
         if cfg.random_weights:
@@ -321,6 +324,7 @@ class OxygenNode(LifecycleNode):
             except Exception:  # already gone with the context
                 pass
         self.engine = None
+        self.cfg.sized_tokens = None
 
     def _destroy(self, entity):
         # Through the node: a bare publisher or subscription destroy() leaves its QoS event

@@ -146,6 +146,26 @@ def test_refusals_say_why(model, tokenizer):
     assert result.message == 'the node is not active: the node is not configured'
 
 
+def test_a_lowered_budget_is_the_default_and_the_limit(model, tokenizer):
+    # The node's live max_new_tokens lowers engine.budget: a goal's 0 means it, and more
+    # than it is refused, though the KV rows were sized for 5.
+    engine, asks = make(model, tokenizer)
+    engine.budget = 2
+    (refused,) = drain(asks.open(Goal('why?', max_new_tokens=3)))
+    assert refused.reason == 'rejected' and '[0, 2]' in refused.message
+    a = asks.open(Goal('what is left?'))
+    for i in range(4):
+        frame(engine, asks, i)
+    result = drain(a)[-1]
+    assert (result.reason, result.tokens) == ('budget', 2)
+    # Raised back to what the rows were sized for, 0 means 5 again.
+    engine.budget = 5
+    b = asks.open(Goal('what is left?'))
+    for i in range(4, 10):
+        frame(engine, asks, i)
+    assert (drain(b)[-1].reason, b.result.tokens) == ('budget', 5)
+
+
 def test_deactivate_ends_every_answer_and_refuses_new_goals(model, tokenizer):
     engine, asks = make(model, tokenizer, max_new_tokens=20)
     woken = []

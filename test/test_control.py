@@ -156,15 +156,20 @@ def test_contract_mistakes_are_one_line(change, message):
 
 def test_live_parameters():
     c = Config.from_values({**DROID, 'max_new_tokens': 20})
+    # Before configure no KV cache is sized: any valid budget may be set.
+    assert c.check_live('max_new_tokens', 40) == 40
+    c.sized_tokens = 20  # configured: the cache holds 20 tokens per request
     assert c.check_live('temperature', 1) == 1.0
     assert c.check_live('max_new_tokens', 10) == 10
+    c.p['max_new_tokens'] = 10
+    assert c.check_live('max_new_tokens', 20) == 20  # lowered, it may go back up to 20
     assert c.check_live('play_steps', 3) == 3
     for name, value, message in [
         ('control_rate_hz', 50.0, 'control_rate_hz cannot change while the node runs'),
         ('device', 'cuda', 'device cannot change'),
         ('temperature', -1.0, 'must be >= 0'),
         ('temperature', 'hot', 'must be float'),
-        ('max_new_tokens', 21, 'sized for 20'),
+        ('max_new_tokens', 21, 'may not exceed 20'),
         ('decode_k', 0, 'between adaptive'),
         ('max_command_horizon', 0.01, 'shorter than one action period'),
         ('prompt', '', 'empty prompt'),

@@ -30,7 +30,6 @@ from test_node import (  # noqa: E402
     ARM,
     PARAMS,
     Robot,
-    chunk_messages,
     keeps_commanding,
     node_env,
     node_process,
@@ -162,7 +161,7 @@ def test_lifecycle_set_configure_then_activate_commands(user):
     assert not commanding(user), 'commands while inactive'
     transition(user, 'activate')
     assert state(user) == 'active [3]'
-    assert keeps_commanding(user.traj, chunk_messages(CLI), lambda: user.proc.poll() is None), (
+    assert keeps_commanding(user.traj, CLI['control_rate_hz'], lambda: user.proc.poll() is None), (
         user.log()[-3000:])
 
 
@@ -228,6 +227,15 @@ def test_param_set_max_new_tokens_shortens_the_narration(user):
         user.log()[-3000:])
     got = narration_lengths(user.narration, done)
     assert max(got) == 3 and all(n <= 3 for n in got), got
+    # Back up to the configured value, which the KV cache was sized for, but not past it.
+    out = param_set(user, 'max_new_tokens', str(CLI['max_new_tokens'] + 1))
+    assert out == ('Setting parameter failed: max_new_tokens may not exceed '
+                   f'{CLI["max_new_tokens"]} while configured: the KV cache was sized for it'), out
+    assert param_set(user, 'max_new_tokens', str(CLI['max_new_tokens'])) == \
+        'Set parameter successful'
+    done = time.time()
+    assert wait_for(lambda: CLI['max_new_tokens'] in narration_lengths(user.narration, done),
+                    60), user.log()[-3000:]
 
 
 def test_param_set_refused_prints_the_reason_and_keeps_the_value(user):

@@ -195,6 +195,9 @@ class Engine:
                 decode_k=cfg.decode_k, frame_budget_ms=budget, admission=cfg.admission,
                 max_pending=cfg.max_pending, vocab_limit=self.tokenizer.vocab_size,
                 graphs=cfg.graphs, phase_timing=cfg.phase_timing)
+        # Tokens a question may take; lowered while running (the node's live max_new_tokens),
+        # never above what the KV rows were sized for.
+        self.budget = cfg.max_new_tokens
         # Questions arrive from other threads: they wait in the inbox for the next frame.
         # Whoever runs the scheduler holds _owner; a cancel that finds it held is left in
         # _cancels for the running frame to do before it lets go.
@@ -442,13 +445,14 @@ class Engine:
         The question, in ``prompt_format`` (``{question}`` marks where; '' = QUESTION_FORMAT),
         is appended after that frame's shared prefix in the request's own KV row, and the
         answer is decoded with the other requests; its events carry the id. ``max_new_tokens``
-        0 means the configured maximum. Raises ValueError, saying why, for a question that
+        0 means ``budget``, the most a question may take (``cfg.max_new_tokens`` unless
+        lowered while running). Raises ValueError, saying why, for a question that
         cannot be asked; a KV row is only sought at the frame (see the admission policy).
         """
         question = question.strip()
         if not question:
             raise ValueError('the question is empty')
-        limit = self.cfg.max_new_tokens
+        limit = self.budget
         if not 0 <= max_new_tokens <= limit:
             raise ValueError(f'max_new_tokens must be in [0, {limit}] (0 = {limit}), got '
                              f'{max_new_tokens}')
