@@ -84,8 +84,9 @@ def handover(robot, i):
     return Handover(start=1, delay=1) if robot != 'a' and i >= 2 else None
 
 
-@pytest.mark.parametrize('graphs', [False, True])
-def test_batched_frames_equal_each_robot_alone(model, graphs):
+@pytest.mark.parametrize('graphs,mode', [(False, 'oxygen'), (True, 'oxygen'),
+                                         (False, 'shared_kv'), (False, 'isolated')])
+def test_batched_frames_equal_each_robot_alone(model, graphs, mode):
     cfg, n = model.cfg, 5
     obs = {r: observations(cfg, r, n, seed=k) for k, r in enumerate(ROBOTS)}
     rng = np.random.default_rng(9)
@@ -95,7 +96,7 @@ def test_batched_frames_equal_each_robot_alone(model, graphs):
     # Alone: one plain single-robot engine per robot, eager, the existing API.
     alone_chunks, alone_tokens = {}, {}
     for r in ROBOTS:
-        e = engine(model, rtc=True)
+        e = engine(model, rtc=True, mode=mode)
         seen = record_tokens(e)
         alone_chunks[r] = [e.step(obs[r][i], narrate=True, noise=noise[r][i],
                                   handover=handover(r, i)).actions for i in range(n)]
@@ -104,7 +105,7 @@ def test_batched_frames_equal_each_robot_alone(model, graphs):
         alone_tokens.update({(r, s): t for (_, s), t in seen.items()})
         assert e.guided == (0 if r == 'a' else n - 2)
 
-    fleet = engine(model, rtc=True, graphs=graphs, robots=3, max_requests=12)
+    fleet = engine(model, rtc=True, graphs=graphs, robots=3, max_requests=12, mode=mode)
     for r in ROBOTS:
         fleet.add_robot(r)
     seen = record_tokens(fleet)
@@ -210,13 +211,21 @@ def test_a_robot_left_out_keeps_decoding_and_never_stalls_the_others(model):
     for r in ROBOTS:
         e.add_robot(r)
     obs = {r: observations(cfg, r, 4, k) for k, r in enumerate(ROBOTS)}
-    e.step_fleet({r: RobotInput(obs[r][0], narrate=True) for r in ROBOTS})
+    three = e.step_fleet({r: RobotInput(obs[r][0], narrate=True) for r in ROBOTS})
+    two = []
     for i in range(1, 4):
         res = e.step_fleet({r: RobotInput(obs[r][i], narrate=True) for r in ('a', 'c')})
+        two.append(res.timing['chunk_ms'] / 1e3)
         assert set(res.results) == {'a', 'c'} and res.errors == {}
         # b's request of frame 0 still decodes with theirs.
         assert [ev.stamp for ev in res.events['b']] == [0.0]
     assert e._robots['b'].frames == 1 and e._robots['a'].frames == 4
+    # The planner's estimate: the slowest measured frame of that many robots, else the
+    # next larger size's, else scaled up from the largest.
+    assert e.chunk_seconds(3) == pytest.approx(three.timing['chunk_ms'] / 1e3)
+    assert e.chunk_seconds(2) == pytest.approx(max(two)) and min(two) > 0
+    assert e.chunk_seconds(1) == e.chunk_seconds(2)
+    assert e.chunk_seconds(6) == pytest.approx(2 * e.chunk_seconds(3))
 
 
 def test_one_robots_bad_input_fails_only_that_robot(model):
