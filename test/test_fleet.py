@@ -297,6 +297,10 @@ def test_model_failure_on_one_robot_stays_with_it(model):
     # b's question and both narrations run; no row was lost to the failed batch.
     assert e.scheduler.held('b') == 2 and e.scheduler.held('a') == 1
     assert e.cache.free_rows == 6 - 3
+    assert e.robot_stats('c') == dict(frames=0, errors=1, rtc_frames=0, kv_rows=0,
+                                      kv_row_cap=2, active_requests=0, pending_requests=0,
+                                      questions_waiting=1)
+    assert e.robot_stats('b')['kv_rows'] == e.robot_stats('b')['active_requests'] == 2
 
 
 # -- planning frames over robots, on a fake clock --------------------------------------

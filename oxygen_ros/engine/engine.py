@@ -508,6 +508,16 @@ class Engine:
     def robots(self) -> tuple[str, ...]:
         return tuple(self._robots)
 
+    def robot_stats(self, name: str) -> dict:
+        """One robot's part of the engine, for its diagnostics."""
+        rb = self._robots[name]
+        s = self.scheduler
+        return dict(frames=rb.frames, errors=rb.errors, rtc_frames=rb.guided,
+                    kv_rows=s.held(name), kv_row_cap=s.cap(name),
+                    active_requests=sum(r.robot == name for r in s.active),
+                    pending_requests=sum(r.robot == name for r, _ in s.pending),
+                    questions_waiting=len(rb.inbox))
+
     def chunk_seconds(self, robots: int) -> float | None:
         """Expected seconds from a frame's start to its chunks, for a frame of ``robots``
         (the slowest of the recent frames of that size, or scaled from another size); None
