@@ -33,6 +33,7 @@ def test_robots_path(tmp_path, capsys):
         # every round emits T per robot, whichever way the frames are cut.
         assert r['tokens'] == n * T * rounds, (mode, n)
         assert r['engines'] == (n if mode == 'separate' else 1)
+        assert r['robots_per_frame'] == (n if mode == 'fleet' else 1)
         assert 0 < r['rss_start_mb'] <= r['rss_peak_mb']  # its own process's peak
         assert ('phases' in r) == (mode == 'fleet')
     # Weights and KV held: K copies for separate; one model and a pool of K robots' rows

@@ -143,7 +143,7 @@ def child(mode: str, k: int, T: int, config: str, device: str, threads: int, N: 
     phases = None
     if repeats and mode == 'fleet':
         phases = FleetPhases(engines[names[0]], [obs[n][0] for n in names], N)
-    latency, tokens, wall = [], 0, 0.0
+    latency, tokens, wall, batch = [], 0, 0.0, []
     horizon = model.cfg.action_horizon
     for i in range(warmup + frames):
         _sync(dev)
@@ -171,6 +171,7 @@ def child(mode: str, k: int, T: int, config: str, device: str, threads: int, N: 
             if r.errors:
                 raise RuntimeError(f'robots failed: {r.errors}')
         wall += t1 - t0
+        batch += [r.timing['robots'] for r in results]
         latency += [(out[n] - t0) * 1e3 for n in names]
         tokens += sum(1 for r in results for evs in r.events.values() for e in evs
                       if not e.cancelled)
@@ -184,6 +185,7 @@ def child(mode: str, k: int, T: int, config: str, device: str, threads: int, N: 
                latency_ms_p50=float(np.percentile(lat, 50)),
                latency_ms_p99=float(np.percentile(lat, 99)),
                tokens_per_s=tokens / wall, tokens=tokens,
+               robots_per_frame=float(np.mean(batch)),
                held_mb=_held_mb(unique), rss_peak_mb=_rss_mb(), rss_start_mb=rss0,
                engines=len(unique))
     if phases is not None:
