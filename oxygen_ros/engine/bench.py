@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from ..model import load_config
 from ..model.tokenizer import Tokenizer
+from . import fleet_bench
 from .engine import Engine, EngineConfig, Observation, random_model
 from .requests import Request, sample
 
@@ -245,7 +246,16 @@ def run(argv=None) -> dict:
                    help='static-shape denoise and decode, CUDA graphs on a GPU (graphs: true)')
     p.add_argument('--out', default='benchmarks/out')
     p.add_argument('--plot', action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument('--robots', type=int, nargs='+', default=None,
+                   help='instead of the modes: one engine serving K robots (fleet) against '
+                        'their frames one after another (sliced) and K engines (separate), '
+                        'for each K given (fleet_bench.py)')
+    p.add_argument('--fresh', action=argparse.BooleanOptionalAction, default=True,
+                   help='with --robots: each mode and K in a fresh subprocess (its own '
+                        'peak RSS)')
     args = p.parse_args(argv)
+    if args.robots:
+        return _fleet(args)
 
     model, tok, device = bench_model(args.config, args.device, args.threads)
     dtype = model.dtype
@@ -346,6 +356,28 @@ def run(argv=None) -> dict:
     if args.plot:
         plot(rows, out / 'bench.png', args)
         print(f'wrote {out / "bench.json"}, {out / "bench.csv"}, {out / "bench.png"}')
+    return report
+
+
+def _fleet(args) -> dict:
+    if min(args.robots) < 1:
+        raise SystemExit('--robots: each K must be >= 1')
+    report = dict(config=args.config, device=args.device, threads=args.threads,
+                  cpu=platform.processor() or platform.machine(), N=args.N, k=args.k,
+                  graphs=args.graphs, **fleet_bench.run(args))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'fleet.json').write_text(json.dumps(report, indent=2))
+    keys = ['mode', 'robots', 'T', 'N', 'k', 'round_ms_mean', 'action_hz', 'vs_sliced',
+            'latency_ms_p50', 'latency_ms_p99', 'tokens_per_s', 'rss_peak_mb', 'rss_vs_one',
+            'held_mb', 'held_vs_one']
+    with open(out / 'fleet.csv', 'w', newline='') as fh:
+        w = csv.DictWriter(fh, keys, extrasaction='ignore')
+        w.writeheader()
+        w.writerows(report['rows'])
+    print(fleet_bench.table(report['rows']))
+    print(fleet_bench.phase_lines(report['rows']))
+    print(f'wrote {out / "fleet.json"}, {out / "fleet.csv"}')
     return report
 
 

@@ -5,6 +5,11 @@ It owns the model, the tokenizer, the KV cache and the scheduler, and turns an
 scheduler's output back into numbers and text. Questions (``ask``) may come from any
 thread: they wait for the next frame, which starts them from its own prefill. Nothing here
 knows about ROS.
+
+One engine serves several robots (``add_robot``, ``step_fleet``): one frame batches every
+robot it is given, each robot's chunk is handed out when the batch's denoise ends, and the
+language of all of them is decoded in one batch. Requests carry their robot; a robot's
+questions wait for that robot's next frame. ``step`` is the same engine serving one robot.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import collections
 import dataclasses
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,10 +31,11 @@ from ..model.checkpoint import Checkpoint, open_checkpoint
 from ..model.processing import CONVENTIONS, NormStats, prepare_image
 from ..model.rtc import Guide, Handover
 from ..model.tokenizer import Tokenizer, action_prompt, subtask_prompt
+from .fleet import BatchGuide
 from .kv_cache import KVCache
 from .parallel import ParallelScheduler
 from .requests import Request
-from .scheduler import ADMISSION, MODES, Frame, Scheduler
+from .scheduler import ADMISSION, MODES, AdaptiveK, BatchError, Frame, Scheduler
 
 PROMPT_FORMATS = ('pi05', 'subtask')
 # How a question follows the frame's prefix (images and task) in its request's row.
@@ -71,6 +78,8 @@ class EngineConfig:
     phase_timing: bool = False  # CUDA: wait for the device at each phase to time it
     rtc: bool = False  # real-time chunking: guide each chunk towards the one being executed
     rtc_beta: float = 5.0  # largest guidance weight (the paper's beta); 0 = no guidance
+    robots: int = 1  # most robots in one frame (step_fleet): scratch rows, denoise buckets
+    robot_rows: int = 0  # KV rows one robot's requests may hold; 0 = max_requests // robots
 
     def __post_init__(self):
         if self.mode not in MODES + ('parallel',):
@@ -86,7 +95,7 @@ class EngineConfig:
             raise ValueError(f'conventions must be one of {CONVENTIONS} or empty, '
                              f'got {self.conventions!r}')
         for name in ('denoise_steps', 'decode_k', 'max_requests', 'threads', 'max_pending',
-                     'max_question_tokens'):
+                     'max_question_tokens', 'robot_rows'):
             if getattr(self, name) < 0:
                 raise ValueError(f'{name} must be >= 0, got {getattr(self, name)}')
         if self.control_rate_hz <= 0:
@@ -97,6 +106,10 @@ class EngineConfig:
             raise ValueError(f'temperature must be >= 0, got {self.temperature}')
         if self.rtc_beta < 0:
             raise ValueError(f'rtc_beta must be >= 0, got {self.rtc_beta}')
+        if self.robots < 1:
+            raise ValueError(f'robots must be >= 1, got {self.robots}')
+        if self.robots > 1 and self.mode == 'parallel':
+            raise ValueError('several robots per frame need a single-copy mode, not parallel')
         if self.graphs and self.compile:
             raise ValueError('graphs and compile are alternatives: set one of them')
         if self.graphs and self.mode == 'parallel':
@@ -140,6 +153,7 @@ class TokenEvent:
     reason: str = ''
     message: str = ''  # the reason in words when it ended early or waits
     kind: str = 'narration'  # or 'question'
+    robot: str = ''  # whose frame started the request
 
 
 @dataclass
@@ -149,6 +163,45 @@ class FrameResult:
     events: list[TokenEvent] = field(default_factory=list)
     timing: dict = field(default_factory=dict)
     rejected: str | None = None
+    robot: str = ''
+
+
+@dataclass
+class RobotInput:
+    """What one robot brings to a frame of several (step_fleet); as step's arguments."""
+
+    obs: Observation
+    narrate: bool = False
+    max_new_tokens: int | None = None
+    noise: np.ndarray | None = None
+    handover: Handover | None = None
+
+
+@dataclass
+class FleetResult:
+    """One frame of several robots. ``results``: the robots whose chunk was computed;
+    ``errors``: the robots that failed, and why (their inputs, or the model on them alone);
+    ``events``: every robot's language events of this frame, whether or not it was in the
+    frame (requests decode across frames); a result's ``events`` is its robot's list."""
+
+    results: dict[str, FrameResult] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    events: dict[str, list[TokenEvent]] = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)
+
+
+class _Robot:
+    """An engine's state of one robot of a fleet."""
+
+    def __init__(self, name: str, seed: int):
+        self.name = name
+        self.noise = torch.Generator().manual_seed(seed)
+        self.inbox: list[Request] = []  # questions waiting for this robot's next frame
+        self.last: torch.Tensor | None = None  # the last chunk, model space (RTC)
+        self.guided = 0
+        self.frames = 0
+        self.errors = 0
+        self.prompt: tuple[str, tuple] | None = None  # host tokens of the last prompt
 
 
 class Engine:
@@ -189,12 +242,12 @@ class Engine:
         else:
             self.cache = KVCache(self.model_cfg, cfg.max_requests, cfg.max_new_tokens,
                                  device=self.device, dtype=dtype,
-                                 extension=cfg.max_question_tokens)
+                                 extension=cfg.max_question_tokens, scratch_rows=cfg.robots)
             self.scheduler = Scheduler(
                 model, self.cache, mode=cfg.mode, denoise_steps=self.denoise_steps,
                 decode_k=cfg.decode_k, frame_budget_ms=budget, admission=cfg.admission,
                 max_pending=cfg.max_pending, vocab_limit=self.tokenizer.vocab_size,
-                graphs=cfg.graphs, phase_timing=cfg.phase_timing)
+                graphs=cfg.graphs, phase_timing=cfg.phase_timing, robots=cfg.robots)
         # Tokens a question may take; lowered while running (the node's live max_new_tokens),
         # never above what the KV rows were sized for.
         self.budget = cfg.max_new_tokens
@@ -220,6 +273,12 @@ class Engine:
         self.frames = 0
         self._last: torch.Tensor | None = None  # the last chunk, model space (for RTC)
         self.guided = 0
+        self._robots: dict[str, _Robot] = {}
+        # Frame start to chunks out, per robots in the frame (step_fleet), for planning.
+        self._chunk_ms = AdaptiveK(budget, 1)
+        self._fleet_pinned = torch.empty(cfg.robots, len(self.slots), 3, size, size,
+                                         pin_memory=True) if self.device.type == 'cuda' \
+            else None
 
     # -- what the checkpoint states (the node checks the robot against these) -------------
 
@@ -281,6 +340,28 @@ class Engine:
         return out
 
     def frame(self, obs: Observation, noise: np.ndarray | None = None) -> Frame:
+        images, present, text = self._inputs(obs)
+        tokens, mask = self._tokens(text)
+        noise = self._noise_for(noise, self._noise)
+        dtype = self.cache.kv.dtype
+        if self._pinned is not None:
+            torch.stack(images, out=self._pinned[0])
+            images = self._pinned.to(self.device, non_blocking=True).to(dtype)
+        else:
+            images = torch.stack(images)[None].to(self.device, dtype)
+        return Frame(
+            stamp=obs.stamp,
+            images=images,
+            image_mask=torch.tensor([present], device=self.device),
+            tokens=tokens, token_mask=mask,
+            noise=noise.to(self.device, dtype))
+
+    def _inputs(self, obs: Observation) -> tuple[list[torch.Tensor], list[bool], str]:
+        """An observation checked: images by slot (blank where missing), which are present,
+        the prompt text. Raises ValueError saying what is wrong."""
+        if not isinstance(obs.images, dict):
+            raise ValueError(f'images must be a dict of slot -> image, got '
+                             f'{type(obs.images).__name__}')
         unknown = sorted(set(obs.images) - set(self.slots))
         if unknown:
             raise ValueError(f'unknown image slots {unknown}; the model has {list(self.slots)}')
@@ -304,28 +385,18 @@ class Engine:
             text = action_prompt(obs.prompt, state)
         else:
             text = subtask_prompt(obs.prompt)
-        tokens, mask = self._tokens(text)
+        return images, present, text
+
+    def _noise_for(self, noise: np.ndarray | None, generator: torch.Generator) -> torch.Tensor:
+        """[1, horizon, model action width] on the host: ``noise`` checked, or drawn."""
         shape = (self.action_horizon, self.model_action_dim)
         if noise is None:
-            noise = torch.randn(1, *shape, generator=self._noise)
-        else:
-            noise = np.asarray(noise, dtype=np.float32)
-            if noise.shape != shape or not np.all(np.isfinite(noise)):
-                raise ValueError(f'noise must be a finite {list(shape)} array (horizon x model '
-                                 f'action width), got shape {list(noise.shape)}')
-            noise = torch.from_numpy(noise)[None]
-        dtype = self.cache.kv.dtype
-        if self._pinned is not None:
-            torch.stack(images, out=self._pinned[0])
-            images = self._pinned.to(self.device, non_blocking=True).to(dtype)
-        else:
-            images = torch.stack(images)[None].to(self.device, dtype)
-        return Frame(
-            stamp=obs.stamp,
-            images=images,
-            image_mask=torch.tensor([present], device=self.device),
-            tokens=tokens, token_mask=mask,
-            noise=noise.to(self.device, dtype))
+            return torch.randn(1, *shape, generator=generator)
+        noise = np.asarray(noise, dtype=np.float32)
+        if noise.shape != shape or not np.all(np.isfinite(noise)):
+            raise ValueError(f'noise must be a finite {list(shape)} array (horizon x model '
+                             f'action width), got shape {list(noise.shape)}')
+        return torch.from_numpy(noise)[None]
 
     def actions_in(self, actions: np.ndarray) -> torch.Tensor:
         """The inverse of actions_out: the robot's dims, unnormalised -> model space, zero
@@ -417,8 +488,217 @@ class Engine:
         self._recent.append((time.monotonic(), out.timing['frame_ms'], len(out.tokens)))
         return result
 
+    # -- frames of several robots ----------------------------------------------------------
+
+    def add_robot(self, name: str, max_rows: int | None = None, seed: int | None = None):
+        """Serve ``name`` in step_fleet. ``max_rows``: KV rows its requests may hold at once
+        (None: the config's robot_rows; 0: max_requests // robots added); ``seed`` seeds its
+        noise (None: derived from the engine's seed and the name)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f'a robot needs a non-empty name, got {name!r}')
+        if name in self._robots:
+            raise ValueError(f'robot {name!r} is already added')
+        rows = self.cfg.robot_rows if max_rows is None else max_rows
+        if not 0 <= rows <= self.cfg.max_requests:
+            raise ValueError(f'max_rows must be in [0, {self.cfg.max_requests}], got {rows}')
+        if seed is None:
+            seed = self.cfg.seed * 1_000_003 + zlib.crc32(name.encode())
+        with self._lock:
+            self._robots[name] = _Robot(name, seed)
+            self.scheduler.caps[name] = rows
+
+    @property
+    def robots(self) -> tuple[str, ...]:
+        return tuple(self._robots)
+
+    def robot_stats(self, name: str) -> dict:
+        """One robot's part of the engine, for its diagnostics."""
+        rb = self._robots[name]
+        s = self.scheduler
+        return dict(frames=rb.frames, errors=rb.errors, rtc_frames=rb.guided,
+                    kv_rows=s.held(name), kv_row_cap=s.cap(name),
+                    active_requests=sum(r.robot == name for r in s.active),
+                    pending_requests=sum(r.robot == name for r, _ in s.pending),
+                    questions_waiting=len(rb.inbox))
+
+    def chunk_seconds(self, robots: int) -> float | None:
+        """Expected seconds from a frame's start to its chunks, for a frame of ``robots``
+        (the slowest of the recent frames of that size, or scaled from another size); None
+        before any frame of step_fleet."""
+        ms = self._chunk_ms.estimate(robots)
+        return None if ms is None else ms / 1e3
+
+    def step_fleet(self, inputs: dict[str, RobotInput], on_actions=None) -> FleetResult:
+        """One frame for every robot in ``inputs`` (added robots, at most cfg.robots).
+
+        Each robot's inputs are checked on their own: a robot whose observation, noise,
+        handover or token cap is wrong is left out with its reason in ``errors`` and the
+        others run. Then one prefill of every observation, one denoise, and
+        ``on_actions(robot, chunk)`` for each robot as soon as the batch's denoise ends,
+        then one decode batch over every robot's requests (each robot's narration, if
+        ``narrate``, and the questions asked about it). Should the model fail on the batch,
+        each robot is run alone, so that a failure stays with the robot it belongs to.
+        Robots past ``cfg.robots`` valid ones are left out with an error.
+        """
+        result = FleetResult()
+        ready = {}  # name -> (robot, input, host tensors, guide)
+        for name, inp in inputs.items():
+            try:
+                ready[name] = self._robot_inputs(name, inp)
+            except Exception as e:  # noqa: BLE001 - whatever it is, it is this robot's
+                result.errors[name] = str(e)
+                if name in self._robots:
+                    self._robots[name].errors += 1
+                continue
+            if len(ready) > self.cfg.robots:
+                del ready[name]
+                result.errors[name] = (f'the frame is full: this engine takes at most '
+                                       f'{self.cfg.robots} robots a frame (robots)')
+        if ready:
+            self._fleet_frame(ready, on_actions, result)
+        for name, events in result.events.items():
+            if name in result.results:
+                result.results[name].events = events
+        return result
+
+    def _robot_inputs(self, name: str, inp: RobotInput):
+        rb = self._robots.get(name)
+        if rb is None:
+            raise ValueError(f'unknown robot {name!r}; this engine has {sorted(self._robots)}')
+        if not isinstance(inp, RobotInput) or not isinstance(inp.obs, Observation):
+            raise TypeError(f'robot {name!r}: expected a RobotInput holding an Observation')
+        limit = self.cfg.max_new_tokens
+        if inp.max_new_tokens is not None and not 1 <= inp.max_new_tokens <= limit:
+            raise ValueError(f'max_new_tokens must be in [1, {limit}], got {inp.max_new_tokens}')
+        for slot, img in inp.obs.images.items() if isinstance(inp.obs.images, dict) else ():
+            shape = getattr(img, 'shape', None)
+            if img is not None and (shape is None or len(shape) != 3 or shape[2] != 3
+                                    or 0 in shape[:2]):
+                raise ValueError(f'image {slot!r} must be HxWx3, got shape {shape}')
+        images, present, text = self._inputs(inp.obs)
+        if rb.prompt is None or rb.prompt[0] != text:
+            tokens, mask = self.tokenizer.tokenize(text, self.model_cfg.max_token_len)
+            rb.prompt = (text, (torch.from_numpy(tokens), torch.from_numpy(mask)))
+        noise = self._noise_for(inp.noise, rb.noise)[0]
+        guide = self._guide_to(inp.handover, rb.last)
+        return rb, inp, (torch.stack(images), present, *rb.prompt[1], noise), guide
+
+    def _fleet_frame(self, ready: dict, on_actions, result: FleetResult) -> None:
+        names = list(ready)
+        b = len(names)
+        dev, dtype = self.device, self.cache.kv.dtype
+        parts = [ready[n][2] for n in names]
+        if self._fleet_pinned is not None:
+            torch.stack([p[0] for p in parts], out=self._fleet_pinned[:b])
+            images = self._fleet_pinned[:b].to(dev, non_blocking=True).to(dtype)
+        else:
+            images = torch.stack([p[0] for p in parts]).to(dev, dtype)
+        guides = [ready[n][3] for n in names]
+        stamp = max(ready[n][1].obs.stamp for n in names)
+        f = Frame(stamp=stamp, images=images,
+                  image_mask=torch.tensor([p[1] for p in parts], device=dev),
+                  tokens=torch.stack([p[2] for p in parts]).to(dev),
+                  token_mask=torch.stack([p[3] for p in parts]).to(dev),
+                  noise=torch.stack([p[4] for p in parts]).to(dev, dtype),
+                  guide=None if all(g is None for g in guides) else BatchGuide(
+                      guides, self.action_horizon, self.model_action_dim, self.cfg.rtc_beta))
+        requests, narrations = [], {}
+        limit = self.cfg.max_new_tokens
+        self._owner.acquire()
+        try:
+            with self._lock:
+                self._cancel_requested()
+                for n in names:
+                    rb, inp = ready[n][0], ready[n][1]
+                    asks, rb.inbox = rb.inbox, []
+                    for r in asks:
+                        r.stamp = inp.obs.stamp
+                    if inp.narrate:
+                        narrations[n] = Request(
+                            stamp=inp.obs.stamp, prompt=inp.obs.prompt,
+                            max_new_tokens=inp.max_new_tokens or limit,
+                            stop_at_eos=self.cfg.stop_at_eos, temperature=self.cfg.temperature,
+                            seed=self.cfg.seed, eos_id=self.tokenizer.eos_id, robot=n)
+                        asks = asks + [narrations[n]]
+                    requests.append(asks)
+            chunks, failed = {}, {}
+
+            def hook(actions):
+                for i, n in enumerate(names):
+                    chunks[n] = self.actions_out(actions[i])
+                if on_actions is not None:
+                    for n in names:
+                        try:
+                            on_actions(n, chunks[n])
+                        except Exception as e:  # noqa: BLE001 - one robot's, not the frame's
+                            failed[n] = f'on_actions failed: {e!r}'
+
+            try:
+                out = self.scheduler.step_batch(f, requests, hook)
+            except BatchError as e:
+                self._batch_failed(ready, requests, e, result)
+                if b == 1:
+                    result.errors[names[0]] = f'the model failed: {e.__cause__!r}'
+                    ready[names[0]][0].errors += 1
+                    return
+                ok = False
+            else:
+                ok = True
+            if ok:
+                events = self._events(out)
+                with self._lock:
+                    self._cancel_requested()
+                    events += [self._final(r) for r in self._ended]
+                    self._ended = []
+        finally:
+            self._owner.release()
+        if not ok:
+            # Each robot alone: the one the model fails on fails, the others run.
+            for n in names:
+                self._fleet_frame({n: ready[n]}, on_actions, result)
+            return
+        for ev in events:
+            result.events.setdefault(ev.robot, []).append(ev)
+        timing = dict(out.timing)
+        for i, n in enumerate(names):
+            rb, inp = ready[n][0], ready[n][1]
+            if self.cfg.rtc:
+                rb.last = out.actions[i].clone()
+                rb.guided += guides[i] is not None
+            rb.frames += 1
+            r = FrameResult(stamp=inp.obs.stamp, actions=chunks.get(n), timing=timing,
+                            robot=n)
+            nr = narrations.get(n)
+            if nr is not None and nr.reason == 'rejected':
+                r.rejected = (f'narration request of robot {n!r} frame {inp.obs.stamp:.3f} '
+                              f'rejected: {nr.note}')
+            if n in failed:
+                result.errors[n] = failed[n]
+            else:
+                result.results[n] = r
+        result.timing = timing
+        self.frames += 1
+        self._chunk_ms.observe(b, timing['chunk_ms'])
+        self._recent.append((time.monotonic(), timing['frame_ms'], len(out.tokens)))
+
+    def _batch_failed(self, ready, requests, e: BatchError, result: FleetResult) -> None:
+        """A failed batch: what it ended is reported, its questions not started go back to
+        their robots' inboxes (a retry or the next frame starts them)."""
+        for ev in self._events(e.out):
+            result.events.setdefault(ev.robot, []).append(ev)
+        waiting = {r.id for r, _ in self.scheduler.pending}
+        with self._lock:
+            for n, rs in zip(ready, requests, strict=True):
+                again = [r for r in rs if r.kind == 'question' and r.row is None
+                         and not r.finished and r.id not in waiting]
+                ready[n][0].inbox[:0] = again
+
     def _guide(self, handover: Handover | None) -> Guide | None:
-        if not self.cfg.rtc or handover is None or self._last is None:
+        return self._guide_to(handover, self._last)
+
+    def _guide_to(self, handover: Handover | None, last: torch.Tensor | None) -> Guide | None:
+        """The guide joining the chunk to ``last`` (model space) where ``handover`` says."""
+        if not self.cfg.rtc or handover is None or last is None:
             return None
         if handover.start < 0 or handover.delay < 0:
             raise ValueError(f'handover steps must be >= 0, got {handover}')
@@ -428,7 +708,7 @@ class Engine:
         # Past the overlap there is nothing to freeze to.
         delay = min(handover.delay, h - handover.start)
         if handover.previous is None:
-            return Guide.make(self._last, handover.start, delay, self.cfg.rtc_beta,
+            return Guide.make(last, handover.start, delay, self.cfg.rtc_beta,
                               columns=self.action_dim)
         prev = np.asarray(handover.previous, dtype=np.float64)
         if prev.ndim != 2 or prev.shape[0] != h or not 1 <= prev.shape[1] <= self.action_dim:
@@ -439,15 +719,18 @@ class Engine:
 
     # -- questions -------------------------------------------------------------------------
 
-    def ask(self, question: str, max_new_tokens: int = 0, prompt_format: str = '') -> int:
+    def ask(self, question: str, max_new_tokens: int = 0, prompt_format: str = '',
+            robot: str | None = None) -> int:
         """Ask a question about the next frame; returns its request id at once.
 
         The question, in ``prompt_format`` (``{question}`` marks where; '' = QUESTION_FORMAT),
         is appended after that frame's shared prefix in the request's own KV row, and the
         answer is decoded with the other requests; its events carry the id. ``max_new_tokens``
         0 means ``budget``, the most a question may take (``cfg.max_new_tokens`` unless
-        lowered while running). Raises ValueError, saying why, for a question that
-        cannot be asked; a KV row is only sought at the frame (see the admission policy).
+        lowered while running). ``robot`` (one added with add_robot) asks about that robot's
+        next frame of step_fleet; None, about the next frame of step. Raises ValueError,
+        saying why, for a question that cannot be asked; a KV row is only sought at the
+        frame (see the admission policy).
         """
         question = question.strip()
         if not question:
@@ -466,13 +749,15 @@ class Engine:
         if len(tokens) > room:
             raise ValueError(f'the question takes {len(tokens)} tokens; at most {room} fit '
                              f'(max_question_tokens)')
+        if robot is not None and robot not in self._robots:
+            raise ValueError(f'unknown robot {robot!r}; this engine has {sorted(self._robots)}')
         # Stamped with the frame that starts it.
         r = Request(stamp=0.0, prompt=question, max_new_tokens=max_new_tokens or limit,
                     stop_at_eos=self.cfg.stop_at_eos, temperature=self.cfg.temperature,
                     seed=self.cfg.seed, eos_id=self.tokenizer.eos_id, kind='question',
-                    extension=tokens)
+                    extension=tokens, robot=robot or '')
         with self._lock:
-            self._inbox.append(r)
+            (self._inbox if robot is None else self._robots[robot].inbox).append(r)
         return r.id
 
     def cancel(self, request_id: int) -> list[TokenEvent]:
@@ -484,12 +769,13 @@ class Engine:
         is returned.
         """
         with self._lock:
-            for i, r in enumerate(self._inbox):
-                if r.id == request_id:
-                    del self._inbox[i]
-                    r.end('cancelled')
-                    r.note = 'cancelled by its caller before it started'
-                    return [self._final(r)]
+            for inbox in [self._inbox] + [rb.inbox for rb in self._robots.values()]:
+                for i, r in enumerate(inbox):
+                    if r.id == request_id:
+                        del inbox[i]
+                        r.end('cancelled')
+                        r.note = 'cancelled by its caller before it started'
+                        return [self._final(r)]
             if not self._owner.acquire(blocking=False):
                 self._cancels.add(request_id)
                 return []
@@ -513,7 +799,7 @@ class Engine:
             if r.kind == 'question':
                 events.append(TokenEvent(r.id, r.stamp, '', '', 0, False, reason='queued',
                                          message='every KV row is busy: waiting for one '
-                                         '(admission wait)', kind=r.kind))
+                                         '(admission wait)', kind=r.kind, robot=r.robot))
         for r, t, n, last in out.tokens:
             stream = self._streams.setdefault(r.id, self.tokenizer.stream())
             delta = stream.feed(t)
@@ -521,7 +807,8 @@ class Engine:
                 delta += stream.finish()
                 del self._streams[r.id]
             events.append(TokenEvent(r.id, r.stamp, delta, stream.text, n, last,
-                                     reason=r.reason if last else '', kind=r.kind))
+                                     reason=r.reason if last else '', kind=r.kind,
+                                     robot=r.robot))
         for r in out.finished:
             # A refused narration is reported by FrameResult.rejected.
             if r.cancelled and (r.kind == 'question' or r.reason != 'rejected'):
@@ -532,15 +819,18 @@ class Engine:
         """The last event of a request that ended early."""
         stream = self._streams.pop(r.id, None)
         return TokenEvent(r.id, r.stamp, '', stream.text if stream else '', len(r.tokens),
-                          True, True, reason=r.reason, message=r.note, kind=r.kind)
+                          True, True, reason=r.reason, message=r.note, kind=r.kind,
+                          robot=r.robot)
 
     def cancel_all(self) -> list[TokenEvent]:
         with self._owner, self._lock:
             ended = self._ended + self.scheduler.cancel_all()
-            for r in self._inbox:
+            for r in self._inbox + [r for rb in self._robots.values() for r in rb.inbox]:
                 r.end('cancelled')
                 ended.append(r)
             self._inbox, self._ended = [], []
+            for rb in self._robots.values():
+                rb.inbox = []
             self._cancels.clear()
             for r in ended:
                 r.note = r.note or 'every request cancelled'
@@ -558,11 +848,12 @@ class Engine:
             tokens_per_s=tokens * 1000.0 / ms.sum() if self._recent else 0.0,
             active_requests=len(s.active),
             pending_requests=len(s.pending),
-            questions_waiting=len(self._inbox),
+            questions_waiting=len(self._inbox) + sum(len(rb.inbox)
+                                                     for rb in self._robots.values()),
             kv_bytes=self.cache.total_bytes,
             kv_bytes_per_slot=self.cache.bytes_per_slot,
             deadline_misses=s.deadline_misses,
-            rtc_frames=self.guided,
+            rtc_frames=self.guided + sum(rb.guided for rb in self._robots.values()),
             rejected_requests=s.rejected,
             dropped_requests=s.dropped,
         )

@@ -3,11 +3,12 @@
 On a GPU the small phases (N denoise steps; one token per request per decode step) are
 bound by launching kernels from Python, not by arithmetic. Here both run with fixed shapes:
 the denoise over a fixed number of key columns per prefix-length bucket (masked past the
-row's valid columns), the decode step over every column of a KV row at a fixed batch per
-batch-size bucket, padded entries pointing at the scratch row (Pi05.decode_hidden's
-``live``). On CUDA each bucket is captured once, when this object is built (the engine's
-start-up), and replayed from then on; elsewhere the same static calls run eagerly, which is
-what the CPU tests compare with the dynamic path.
+row's valid columns), at a fixed batch per batch bucket for frames of several robots; the
+decode step over every column of a KV row at a fixed batch per batch-size bucket, padded
+entries pointing at the scratch row (Pi05.decode_hidden's ``live``). On CUDA each bucket
+is captured once, when this object is built (the engine's start-up), and replayed from then
+on; elsewhere the same static calls run eagerly, which is what the CPU tests compare with
+the dynamic path.
 
 Prefill stays eager: it is one pass of large matmuls over the whole prefix, its kernel
 launches overlap its arithmetic, and its shapes (cameras x text length) would multiply the
@@ -40,6 +41,15 @@ def batch_buckets(max_requests: int) -> list[int]:
         sizes.add(b)
         b *= 2
     return sorted(sizes)
+
+
+def power_buckets(n: int) -> list[int]:
+    """Batch sizes 1, 2, 4, ... up to the first at or past ``n``."""
+    sizes, b = [1], 1
+    while b < n:
+        b *= 2
+        sizes.append(b)
+    return sizes
 
 
 def _smallest(buckets: list[int], n: int, what: str) -> int:
@@ -77,15 +87,21 @@ class _Call:
 
 
 class StaticPhases:
-    """The unguided denoise and the batched decode step of one model and KV cache."""
+    """The unguided denoise and the batched decode step of one model and KV cache.
 
-    def __init__(self, model: Pi05, cache: KVCache, denoise_steps: int):
+    ``robots`` > 1 adds denoise batch buckets (powers of two up to the first at or past it)
+    for frames of several robots; a batch between buckets is padded with copies of its
+    first row (the denoise gathers its rows, so padding reads a row but writes nothing).
+    """
+
+    def __init__(self, model: Pi05, cache: KVCache, denoise_steps: int, robots: int = 1):
         kv = cache.kv
         self.model, self.cache = model, cache
         self.capture = kv.device.type == 'cuda'
         cfg = model.cfg
         self.columns = denoise_buckets(cfg, kv.max_len)
         self.batches = batch_buckets(max(1, cache.max_requests))
+        self.denoise_batches = power_buckets(robots)
         dev = kv.device
         pool = torch.cuda.graph_pool_handle() if self.capture else None
         with torch.inference_mode():
@@ -93,16 +109,18 @@ class StaticPhases:
             # computed once here, inputs of every replay. Weights replaced after this (not
             # copied into in place) would leave the graphs reading the old ones.
             mods, dtime = model.flow_schedule(denoise_steps)
-            # Captured against the scratch row, which always exists.
-            self._row = torch.full((1,), cache.scratch, dtype=torch.long, device=dev)
-            # The engine's noise comes in the cache's dtype.
-            self._noise = torch.zeros(1, cfg.action_horizon, cfg.action_dim, device=dev,
-                                      dtype=kv.dtype)
-            self._denoise = {
-                c: _Call(lambda row, noise, c=c: model.denoise_static(
-                    kv, row, noise, c, mods, dtime), (self._row, self._noise),
-                    self.capture, pool)
-                for c in self.columns}
+            # Captured against the scratch row, which always exists; the engine's noise
+            # comes in the cache's dtype.
+            self._rows, self._noises, self._denoise = {}, {}, {}
+            for b in self.denoise_batches:
+                self._rows[b] = rows = torch.full((b,), cache.scratch, dtype=torch.long,
+                                                  device=dev)
+                self._noises[b] = noise = torch.zeros(b, cfg.action_horizon, cfg.action_dim,
+                                                      device=dev, dtype=kv.dtype)
+                for c in self.columns:
+                    self._denoise[b, c] = _Call(
+                        lambda row, noise, c=c: model.denoise_static(
+                            kv, row, noise, c, mods, dtime), (rows, noise), self.capture, pool)
             # Per batch bucket: rows, tokens and liveness as one [3, b] upload, from a
             # pinned host buffer on CUDA. Captured all padding: nothing in the cache moves.
             self._host, self._packed, self._decode = {}, {}, {}
@@ -120,13 +138,26 @@ class StaticPhases:
 
     def denoise(self, row: int, noise: torch.Tensor) -> torch.Tensor:
         """Actions [1, horizon, action_dim] from the prefix in ``row`` (as prefill left it)."""
+        return self.denoise_rows([row], noise)
+
+    def denoise_rows(self, rows: list[int], noise: torch.Tensor) -> torch.Tensor:
+        """Actions [len(rows), horizon, action_dim] from the prefixes in ``rows``, one noise
+        row each; padded to the next batch bucket."""
+        n = len(rows)
+        b = _smallest(self.denoise_batches, n, 'denoise batch')
         # The one read of the device per call, before anything is launched: prefill has
         # just waited for its own masks, so it costs the gap of one launch.
-        length = int(self.cache.kv.length[row])
-        call = self._denoise[_smallest(self.columns, length, 'prefix length')]
-        self._row.fill_(row)
-        self._noise.copy_(noise)
-        return call().clone()
+        length = int(self.cache.kv.length[rows].max()) if n > 1 \
+            else int(self.cache.kv.length[rows[0]])
+        call = self._denoise[b, _smallest(self.columns, length, 'prefix length')]
+        if n == 1:
+            self._rows[b].fill_(rows[0])
+        else:
+            self._rows[b].copy_(torch.tensor(rows + [rows[0]] * (b - n)))
+        self._noises[b][:n].copy_(noise)
+        if n < b:
+            self._noises[b][n:].zero_()
+        return call()[:n].clone()
 
     def decode_hidden(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
         """One decode pass of ``tokens`` into ``rows``: hidden states [len(rows), width]."""

@@ -4,7 +4,9 @@ One store serves every task. Each language request owns one row (its prefix KV, 
 generated tokens). The newest frame's prefill writes straight into the row of the first
 request it starts; the action expert reads that row in place, and the frame's other requests
 start from copies of it. A frame that starts no request (or none admitted) prefills into a
-reserved scratch row, so actions never wait for a free row.
+reserved scratch row, so actions never wait for a free row. A frame of several robots
+prefills into a block of scratch rows, one per observation, and its requests start from
+copies of those.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ..model import KV, ModelConfig
 class KVCache:
     def __init__(self, cfg: ModelConfig, max_requests: int, max_new_tokens: int,
                  device='cpu', dtype=torch.float32, prefix_len: int | None = None,
-                 extension: int = 0):
+                 extension: int = 0, scratch_rows: int = 1):
         if max_requests < 0:
             raise ValueError(f'max_requests must be >= 0, got {max_requests}')
         if max_new_tokens < 1:
@@ -26,15 +28,18 @@ class KVCache:
         self.max_new_tokens = max_new_tokens
         if extension < 0:
             raise ValueError(f'extension must be >= 0, got {extension}')
+        if scratch_rows < 1:
+            raise ValueError(f'scratch_rows must be >= 1, got {scratch_rows}')
         self.prefix_len = prefix_len or cfg.prefix_len
         self.extension = extension
-        # Rows 0..max_requests-1 are request slots; the last row is the scratch row. A row
+        # Rows 0..max_requests-1 are request slots; the rest are scratch rows. A row
         # holds a prefix, up to `extension` tokens of the request's own (a question), and its
         # generated tokens.
-        self.kv = KV.allocate(cfg, max_requests + 1,
+        self.kv = KV.allocate(cfg, max_requests + scratch_rows,
                               self.prefix_len + extension + max_new_tokens,
                               device=device, dtype=dtype)
-        self.scratch = max_requests
+        self.scratch = max_requests  # the first scratch row
+        self.scratch_rows = scratch_rows
         self._free = list(range(max_requests))
 
     @property

@@ -36,6 +36,7 @@ class Request:
     seed: int = 0
     eos_id: int = 1
     kind: str = 'narration'  # or 'question'
+    robot: str = ''  # whose frame started it; rows are counted against that robot's cap
     extension: list[int] = field(default_factory=list)
     id: int = field(default_factory=lambda: next(_ids))
     row: int | None = None

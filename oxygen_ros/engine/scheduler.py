@@ -16,6 +16,12 @@ appended to its row in one extension pass, after the action chunk is out.
   frame budget. The deadline comes first; language gets the slack it needs, and no more,
   so frames stay short and the action rate high.
 
+``step_batch`` runs one frame for several robots: one prefill of all their observations
+(one scratch row each), one denoise, every chunk out at once, then the same language phase
+over every robot's requests. KV rows come from the one pool, each robot holding at most its
+cap (``caps``), and the admission policy applies per robot: a robot at its cap drops,
+refuses or queues its own requests, never another robot's.
+
 (The naive two-copies-in-two-threads baseline lives in ``parallel.py``.)
 """
 
@@ -48,6 +54,11 @@ class Frame:
     noise: torch.Tensor  # [1, horizon, action_dim]
     guide: Guide | None = None  # real-time chunking towards the chunk being executed
 
+    def part(self, i: int) -> Frame:
+        """Observation ``i`` of a batched frame, as a frame of its own (views, no copies)."""
+        return Frame(self.stamp, self.images[i:i + 1], self.image_mask[i:i + 1],
+                     self.tokens[i:i + 1], self.token_mask[i:i + 1], self.noise[i:i + 1])
+
 
 @dataclass
 class FrameOutput:
@@ -58,6 +69,15 @@ class FrameOutput:
     rejected: list[Request] = field(default_factory=list)  # refused a row (also in finished)
     queued: list[Request] = field(default_factory=list)  # waiting for a row (admission wait)
     timing: dict = field(default_factory=dict)
+
+
+class BatchError(RuntimeError):
+    """A batched frame failed in the model; ``out`` holds what it had already ended
+    (requests dropped or refused at admission), whose callers must still hear of it."""
+
+    def __init__(self, out: FrameOutput):
+        super().__init__('the batched frame failed')
+        self.out = out
 
 
 class Clock:
@@ -120,7 +140,7 @@ class Scheduler:
                  decode_k: int = 5, frame_budget_ms: float = 1000 * 10 / 70,
                  admission: str = 'drop_oldest', max_pending: int = 4,
                  vocab_limit: int | None = None, graphs: bool = False,
-                 phase_timing: bool = True):
+                 phase_timing: bool = True, robots: int = 1):
         if mode not in MODES:
             raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
         if admission not in ADMISSION:
@@ -145,31 +165,71 @@ class Scheduler:
         self._hidden: dict[int, torch.Tensor] = {}  # first-token hidden of new requests
         self.clock = Clock(cache.kv.device, phase_timing)
         # Static shapes (CUDA graphs on a GPU) for the unguided denoise and the decode step.
-        self.static = StaticPhases(model, cache, denoise_steps) if graphs else None
+        self.static = StaticPhases(model, cache, denoise_steps, robots) if graphs else None
+        # KV rows a robot's requests may hold at once; 0 = a fair share of the pool. A robot
+        # not named here (a fleet of one) may take every row.
+        self.caps: dict[str, int] = {}
+        self._owners: dict[int, str] = {}  # KV row -> the robot whose request holds it
         self.deadline_misses = 0
         self.rejected = 0
         self.dropped = 0
 
     # -- admission -------------------------------------------------------------------------
 
-    def _admit(self, request: Request, out: FrameOutput) -> int | None:
-        if self.admission == 'wait' and self.pending:
-            return None  # first come, first served: queue behind the waiting ones
+    def cap(self, robot: str) -> int | None:
+        """The most KV rows ``robot``'s requests may hold; None: no cap of its own."""
+        if robot not in self.caps:
+            return None
+        return self.caps[robot] or max(1, self.cache.max_requests // len(self.caps))
+
+    def held(self, robot: str) -> int:
+        """KV rows ``robot``'s requests hold, those admitted this frame included."""
+        return sum(owner == robot for owner in self._owners.values())
+
+    def _alloc(self, robot: str) -> int | None:
         row = self.cache.alloc()
         if row is not None:
-            return row
-        if self.admission == 'drop_oldest' and self.active:
-            oldest = min(self.active, key=lambda r: r.stamp)
+            self._owners[row] = robot
+        return row
+
+    def _release(self, row: int) -> None:
+        self.cache.free(row)
+        self._owners.pop(row, None)
+
+    def _at_cap(self, robot: str) -> bool:
+        cap = self.cap(robot)
+        return cap is not None and self.held(robot) >= cap
+
+    def _admit(self, request: Request, out: FrameOutput) -> int | None:
+        robot = request.robot
+        if self.admission == 'wait' and any(r.robot == robot for r, _ in self.pending):
+            return None  # first come, first served: queue behind the robot's waiting ones
+        capped = self._at_cap(robot)
+        if not capped:
+            row = self._alloc(robot)
+            if row is not None:
+                return row
+        # A robot at its cap gives up one of its own rows; otherwise the pool is full and
+        # the robot holding the most rows gives one up.
+        if capped:
+            victims = [r for r in self.active if r.robot == robot]
+        else:
+            most = max((self.held(r.robot) for r in self.active), default=0)
+            victims = [r for r in self.active if self.held(r.robot) == most]
+        if self.admission == 'drop_oldest' and victims:
+            oldest = min(victims, key=lambda r: r.stamp)
             oldest.note = 'dropped to free a KV row for a newer request (admission drop_oldest)'
             self._finish(oldest, out, 'dropped')
             self.dropped += 1
-            return self.cache.alloc()
+            return self._alloc(robot)
         if self.admission == 'wait':
             # Waits for a row; its prefill is redone then, in language time, never the actions'.
             return None
         self.rejected += 1
         request.end('rejected')
-        request.note = (f'all {self.cache.max_requests} KV rows are busy (admission '
+        request.note = (f'robot {robot!r} holds its cap of {self.cap(robot)} KV rows (admission '
+                        f'{self.admission})' if capped else
+                        f'all {self.cache.max_requests} KV rows are busy (admission '
                         f'{self.admission})')
         out.rejected.append(request)
         out.finished.append(request)
@@ -177,8 +237,10 @@ class Scheduler:
 
     def _queue(self, request: Request, f: Frame, out: FrameOutput) -> None:
         self.pending.append((request, f))
-        while len(self.pending) > self.max_pending:
-            old, _ = self.pending.popleft()
+        mine = [p for p in self.pending if p[0].robot == request.robot]
+        while len(mine) > self.max_pending:
+            old, _ = entry = mine.pop(0)
+            self._unqueue(entry)
             old.end('dropped')
             old.note = f'dropped from the wait queue, which holds {self.max_pending}'
             out.finished.append(old)
@@ -186,10 +248,14 @@ class Scheduler:
         if not request.finished:
             out.queued.append(request)
 
+    def _unqueue(self, entry: tuple) -> None:
+        # By identity: requests and frames compare by value (tensors among them).
+        self.pending = collections.deque(p for p in self.pending if p is not entry)
+
     def _finish(self, r: Request, out: FrameOutput, reason: str | None = None) -> None:
         if reason is not None:
             r.end(reason)
-        self.cache.free(r.row)
+        self._release(r.row)
         r.row = None
         self.active.remove(r)
         self._hidden.pop(r.id, None)
@@ -288,9 +354,15 @@ class Scheduler:
         return batches
 
     def _admit_pending(self) -> None:
-        while self.pending and self.cache.free_rows:
-            request, f = self.pending.popleft()
-            row = self.cache.alloc()
+        # In arrival order, skipping robots at their cap (their turn comes when they free one).
+        for entry in list(self.pending):
+            if not self.cache.free_rows:
+                break
+            request, f = entry
+            if self._at_cap(request.robot):
+                continue
+            self._unqueue(entry)
+            row = self._alloc(request.robot)
             self._start(request, row, self._prefill(f, row))
 
     # -- one frame -------------------------------------------------------------------------
@@ -332,6 +404,19 @@ class Scheduler:
         self._admit_pending()
         t3 = clock()
 
+        steps, batches = self._language(out, t0)
+        t4 = clock(sync=True)
+        frame_ms = t4 - t0
+        if frame_ms > self.frame_budget_ms:
+            self.deadline_misses += 1
+        out.timing = dict(prefill_ms=t1 - t0, denoise_ms=t2 - t1, decode_ms=t4 - t3,
+                          language_prefill_ms=t3 - t2, frame_ms=frame_ms, k=steps,
+                          batches=batches)
+        return out
+
+    def _language(self, out: FrameOutput, t0: float) -> tuple[int, list[int]]:
+        """The frame's decode steps, after its chunks are out: (steps, batch sizes)."""
+        clock = self.clock
         steps = 0
         batches = []
         if self.mode == 'oxygen':
@@ -352,11 +437,80 @@ class Scheduler:
         else:
             batches = self.decode_to_end(out)
             steps = len(batches)
+        return steps, batches
+
+    # -- one frame of several robots -------------------------------------------------------
+
+    @torch.inference_mode()
+    def step_batch(self, f: Frame, requests: list[list[Request]], on_actions=None
+                   ) -> FrameOutput:
+        """One frame of ``b`` observations (``f`` batched [b, ...]): ``requests[i]`` are the
+        requests observation ``i`` starts. ``on_actions`` gets every chunk [b, horizon,
+        action_dim] once the batch's denoise ends, before language. The frame's language
+        is one decode batch over every active request, whichever robot's.
+
+        Each observation is prefilled into a scratch row of its own, so a batch of one
+        gives what ``step`` gives; a failure in the model raises BatchError, with the rows
+        of requests not yet started given back.
+        """
+        b = f.images.shape[0]
+        if not 1 <= b <= self.cache.scratch_rows:
+            raise ValueError(f'a batch of {b} observations; the cache has '
+                             f'{self.cache.scratch_rows} scratch rows')
+        if len(requests) != b:
+            raise ValueError(f'{len(requests)} request lists for {b} observations')
+        clock = self.clock
+        t0 = clock()
+        out = FrameOutput(actions=torch.empty(0))
+        born = []  # (observation, request, row)
+        try:
+            if self.mode != 'isolated':
+                for i, rs in enumerate(requests):
+                    for r in rs:
+                        row = self._admit(r, out)
+                        if row is not None:
+                            born.append((i, r, row))
+            block = slice(self.cache.scratch, self.cache.scratch + b)
+            kv = self.cache.kv
+            hidden = self.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv,
+                                        block)
+            t1 = clock()
+            if self.static is not None and f.guide is None:
+                actions = self.static.denoise_rows(list(range(block.start, block.stop)),
+                                                   f.noise)
+            else:
+                actions = self.model.denoise(kv, block, f.noise, self.denoise_steps,
+                                             guide=f.guide)
+            t2 = clock()
+        except Exception as e:
+            for _, _r, row in born:
+                self._release(row)
+            raise BatchError(out) from e
+        out.actions = actions
+        if on_actions is not None:
+            on_actions(actions)
+
+        for i, r, row in born:
+            kv.copy_row(block.start + i, row)
+            self._start(r, row, hidden[i:i + 1])
+        if self.mode == 'isolated':
+            for i, rs in enumerate(requests):
+                for r in rs:
+                    row = self._admit(r, out)
+                    if row is not None:
+                        self._start(r, row, self._prefill(f.part(i), row))
+        for i, rs in enumerate(requests):
+            for r in rs:
+                if r.row is None and not r.finished:
+                    self._queue(r, f.part(i), out)
+        self._admit_pending()
+        t3 = clock()
+        steps, batches = self._language(out, t0)
         t4 = clock(sync=True)
         frame_ms = t4 - t0
         if frame_ms > self.frame_budget_ms:
             self.deadline_misses += 1
         out.timing = dict(prefill_ms=t1 - t0, denoise_ms=t2 - t1, decode_ms=t4 - t3,
-                          language_prefill_ms=t3 - t2, frame_ms=frame_ms, k=steps,
-                          batches=batches)
+                          language_prefill_ms=t3 - t2, frame_ms=frame_ms, chunk_ms=t2 - t0,
+                          k=steps, batches=batches, robots=b)
         return out
