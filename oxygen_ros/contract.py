@@ -341,7 +341,7 @@ class Config:
         if name == 'max_new_tokens' and self.sized_tokens is not None \
                 and value > self.sized_tokens:
             raise StartError(f'max_new_tokens may not exceed {self.sized_tokens} while '
-                             'configured: the KV cache was sized for it')
+                             f'configured: the KV cache was sized for {self.sized_tokens}')
         if name == 'decode_k' and (value == 0) != (self.p['decode_k'] == 0):
             raise StartError('decode_k cannot switch between adaptive (0) and fixed while '
                              'running')

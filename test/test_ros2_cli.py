@@ -229,8 +229,9 @@ def test_param_set_max_new_tokens_shortens_the_narration(user):
     assert max(got) == 3 and all(n <= 3 for n in got), got
     # Back up to the configured value, which the KV cache was sized for, but not past it.
     out = param_set(user, 'max_new_tokens', str(CLI['max_new_tokens'] + 1))
+    n = CLI['max_new_tokens']
     assert out == ('Setting parameter failed: max_new_tokens may not exceed '
-                   f'{CLI["max_new_tokens"]} while configured: the KV cache was sized for it'), out
+                   f'{n} while configured: the KV cache was sized for {n}'), out
     assert param_set(user, 'max_new_tokens', str(CLI['max_new_tokens'])) == \
         'Set parameter successful'
     done = time.time()
