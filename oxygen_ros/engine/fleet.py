@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.rtc import Guide, guidance_scale
+from ..model.rtc import Guide, guided
 
 
 @dataclass
@@ -127,18 +127,11 @@ class BatchGuide:
             self.columns[i, :, :g.columns] = 1.0
 
     def velocity(self, x: torch.Tensor, t: float, velocity) -> torch.Tensor:
-        scale = guidance_scale(t, self.beta)
-        with torch.enable_grad():
-            x = x.detach().requires_grad_(True)
-            v = velocity(x)
-            if scale == 0.0:
-                return v.detach()
-            clean = x - t * v
-            dev = x.device
-            err = (self.target.to(dev) - clean.detach()) * self.weights.to(dev) \
-                * self.columns.to(dev)
-            (g,) = torch.autograd.grad(clean, x, err.to(clean.dtype))
-        return v.detach() - scale * g
+        return guided(x, t, self.beta, velocity, self._error)
+
+    def _error(self, clean: torch.Tensor) -> torch.Tensor:
+        dev = clean.device
+        return (self.target.to(dev) - clean) * self.weights.to(dev) * self.columns.to(dev)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         if self.beta == 0.0:

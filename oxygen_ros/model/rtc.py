@@ -49,6 +49,22 @@ def guidance_scale(t: float, beta: float) -> float:
     return min(beta, (1.0 - tau) / (tau * r2))
 
 
+def guided(x: torch.Tensor, t: float, beta: float, velocity, error) -> torch.Tensor:
+    """The expert's velocity ``velocity(x)`` less the guidance toward a target: the gradient
+    of the clean estimate x - t v with respect to x, weighted by ``error(clean)`` (the
+    weighted distance to the target, a constant of the product: only the Jacobian's path is
+    recorded)."""
+    scale = guidance_scale(t, beta)
+    with torch.enable_grad():
+        x = x.detach().requires_grad_(True)
+        v = velocity(x)
+        if scale == 0.0:
+            return v.detach()
+        clean = x - t * v
+        (g,) = torch.autograd.grad(clean, x, error(clean.detach()).to(clean.dtype))
+    return v.detach() - scale * g
+
+
 @dataclass(frozen=True)
 class Handover:
     """Where a new chunk joins the one being executed, in action steps: step 0 of the new
@@ -99,21 +115,14 @@ class Guide:
 
     def velocity(self, x: torch.Tensor, t: float, velocity) -> torch.Tensor:
         """Guided velocity at ``x`` [b, horizon, dim], time ``t``; ``velocity(x)`` is the
-        expert's. The only gradient taken is of the clean estimate with respect to x."""
-        scale = guidance_scale(t, self.beta)
-        with torch.enable_grad():
-            x = x.detach().requires_grad_(True)
-            v = velocity(x)
-            if scale == 0.0:
-                return v.detach()
-            clean = x - t * v
-            # The error is a constant of the product: only the Jacobian's path is recorded.
-            err = (self.target.to(x.device) - clean.detach()) \
-                * self.weights.to(x.device)[:, None]
-            if self.columns is not None:
-                err[..., self.columns:] = 0.0
-            (g,) = torch.autograd.grad(clean, x, err.to(clean.dtype))
-        return v.detach() - scale * g
+        expert's."""
+        return guided(x, t, self.beta, velocity, self._error)
+
+    def _error(self, clean: torch.Tensor) -> torch.Tensor:
+        err = (self.target.to(clean.device) - clean) * self.weights.to(clean.device)[:, None]
+        if self.columns is not None:
+            err[..., self.columns:] = 0.0
+        return err
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """The steps that run before the chunk arrives are the previous chunk's, exactly.
