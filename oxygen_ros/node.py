@@ -30,6 +30,7 @@ import re
 import signal
 import sys
 import threading
+import time
 
 from rcl_interfaces.msg import (
     FloatingPointRange,
@@ -42,6 +43,7 @@ from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from oxygen_ros.ask import Asks
 from oxygen_ros.contract import (
     BY_NAME,
+    FLEET_BY_NAME,
     GROUP_PARAMS,
     LIMIT_PARAM,
     PARAMS,
@@ -50,6 +52,9 @@ from oxygen_ros.contract import (
     coerce,
     command_line_params,
     is_limit,
+    read_robot_file,
+    robot_config,
+    robot_key,
 )
 from oxygen_ros.frames import Reporter
 from oxygen_ros.robot_link import RobotLink, problem_key
@@ -59,6 +64,34 @@ __all__ = ['OxygenNode', 'main', 'problem_key']
 SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
 # How long a stopping node spins on to send the results of the ~/ask goals it ended.
 ASK_CLOSE_S = 1.0
+
+
+class RobotAsks:
+    """The engine as one robot's ~/ask sees it: its questions are about that robot's frames."""
+
+    def __init__(self, engine, robot: str):
+        self.engine, self.robot = engine, robot
+
+    def ask(self, question: str, max_new_tokens: int = 0, prompt_format: str = '') -> int:
+        return self.engine.ask(question, max_new_tokens, prompt_format, robot=self.robot)
+
+    def cancel(self, request_id: int):
+        return self.engine.cancel(request_id)
+
+
+class AskServers:
+    """The ~/<robot>/ask servers of a fleet, closed and destroyed together."""
+
+    def __init__(self, servers):
+        self.servers = servers
+
+    def close(self, spin_once, limit_s: float) -> int:
+        end = time.monotonic() + limit_s
+        return sum(s.close(spin_once, max(0.0, end - time.monotonic())) for s in self.servers)
+
+    def destroy(self):
+        for s in self.servers:
+            s.destroy()
 
 
 class OxygenNode(LifecycleNode):
@@ -77,13 +110,22 @@ class OxygenNode(LifecycleNode):
         self.asks = Asks()  # ~/ask goals; the engine takes them only while active
         self.ask_server = None  # from configure to cleanup, or past shutdown until main closes it
         self.start_error = StartError('a lifecycle transition failed; see the log above')
+        self.fleet: dict[str, tuple[Config, str]] = {}  # robot -> (its Config, namespace)
         self.cfg = self._read_params(argv)
-        self.links = [RobotLink(self, self.cfg, reporter=self.reporter)]  # one per robot
+        if self.fleet:
+            self.links = [RobotLink(self, c, name=r, prefix=ns, private=f'~/{r}')
+                          for r, (c, ns) in self.fleet.items()]
+            for link in self.links:
+                link.asks = Asks()
+        else:
+            self.links = [RobotLink(self, self.cfg, reporter=self.reporter)]
+            self.links[0].asks = self.asks
+        self.by_name = {link.name: link for link in self.links}
         self.add_on_set_parameters_callback(self._on_set_parameters)
 
     # -- parameters ------------------------------------------------------------------------
 
-    def _declare(self, name: str, p):
+    def _declare(self, name: str, p, default=None):
         from rclpy.exceptions import ParameterUninitializedException
 
         # dynamic_typing: a YAML `70` for a float parameter is fine; types are checked by
@@ -100,7 +142,7 @@ class OxygenNode(LifecycleNode):
         if override is not None:
             coerce(name, override.value, p)
         try:
-            self.declare_parameter(name, p.default, desc)
+            self.declare_parameter(name, p.default if default is None else default, desc)
             return self.get_parameter(name).value
         except ParameterUninitializedException:
             return None
@@ -128,26 +170,72 @@ class OxygenNode(LifecycleNode):
         for name, value in command_line_params(argv, self.get_name()).items():
             if name in table:
                 coerce(name, value, table[name])
-        return Config.from_values(values)
+        robots = coerce('robots', values['robots'], BY_NAME['robots'])
+        if not robots:
+            return Config.from_values(values)
+        if len(set(robots)) != len(robots):
+            raise StartError(f'robots lists a name twice: {robots}')
+        for r in robots:
+            self.fleet[r] = self._read_robot(r, values)
+        # The node's own settings (engine, lifecycle) with the first robot's contract.
+        return self.fleet[robots[0]][0]
+
+    def _read_robot(self, robot: str, values: dict) -> tuple[Config, str]:
+        """A robot's <robot>.* parameters over its robot file's over the node's."""
+        own = {}
+        for full in sorted(n for n in self._parameter_overrides if n.startswith(robot + '.')):
+            name = full[len(robot) + 1:]
+            if not robot_key(name):
+                raise StartError(f'robot {robot}: {name} is not a robot parameter (the '
+                                 'model and engine are the node\'s, shared by its robots)')
+            if name.startswith('outputs.'):
+                key = name.rpartition('.')[2]
+                p = next((q for q in GROUP_PARAMS if q.name == key), None)
+                if p is None:
+                    raise StartError(f'robot {robot}: unknown parameter {name}')
+            elif is_limit(name):
+                p = LIMIT_PARAM
+            else:
+                p = FLEET_BY_NAME.get(name) or BY_NAME[name]
+            own[name] = self._declare(full, p)
+        path = own.get('robot_file') or ''
+        file_values, shared = read_robot_file(robot, path) if path else ({}, [])
+        if shared:
+            self.log.info(f'robot {robot}: {path} also sets {", ".join(shared)}: the '
+                          "node's values stand (its robots share them)")
+        cfg = robot_config(robot, values, file_values, own)
+        if 'prompt' not in own:  # settable while running, as the node's prompt is
+            self._declare(f'{robot}.prompt', BY_NAME['prompt'], cfg.p['prompt'])
+        return cfg, own.get('namespace') or robot
 
     def _on_set_parameters(self, params) -> SetParametersResult:
         checked = {}
         for param in params:
-            if param.name not in BY_NAME:
-                continue  # rclpy's own (use_sim_time); outputs.* are read-only
+            robot, _, base = param.name.partition('.')
+            links = getattr(self, 'by_name', {})
+            if param.name in BY_NAME:
+                cfg, name, only = self.cfg, param.name, None
+            elif robot in self.fleet and robot in links:
+                cfg, name, only = links[robot].cfg, base, links[robot]
+            else:
+                continue  # rclpy's own (use_sim_time), read-only ones, or before the links
             try:
-                checked[param.name] = self.cfg.check_live(param.name, param.value)
+                checked[param.name] = (name, cfg.check_live(name, param.value), only)
             except StartError as e:
                 self.log.warning(f'parameter {param.name} not set: {e}')
                 return SetParametersResult(successful=False, reason=str(e))
-        for name, value in checked.items():
-            self._apply(name, value)
+        for full, (name, value, only) in checked.items():
+            self._apply(name, value, only, full)
         return SetParametersResult(successful=True)
 
-    def _apply(self, name: str, value):
+    def _apply(self, name: str, value, only=None, full: str = ''):
+        links = self.links if only is None else [only]
         with self._lock:
-            self.cfg.p[name] = value
-        for link in self.links:
+            if only is None:
+                self.cfg.p[name] = value
+            for link in links:
+                link.cfg.p[name] = value
+        for link in links:
             if name == 'prompt':
                 link.set_prompt(value)
             elif name == 'report_period':
@@ -158,7 +246,10 @@ class OxygenNode(LifecycleNode):
                 link.player.play_steps = value
         if name == 'report_period':
             self.reporter.period = value
-        elif self.engine is not None and name == 'temperature':
+        if only is not None:
+            self.log.info(f'parameter {full} = {value!r}')
+            return
+        if self.engine is not None and name == 'temperature':
             self.engine.cfg = dataclasses.replace(self.engine.cfg, temperature=value)
         elif self.engine is not None and name == 'decode_k':
             self.engine.scheduler.decode_k = value
@@ -186,19 +277,21 @@ class OxygenNode(LifecycleNode):
 
     def on_activate(self, state) -> TransitionCallbackReturn:
         cfg = self.cfg
-        if cfg.random_weights and cfg.p['robot'] != 'identity' and not cfg.p[
-                'allow_random_weights']:
-            msg = (f'refusing to activate: the {cfg.p["robot"]} robot would be driven by '
-                   'RANDOM weights (no checkpoint). Set checkpoint, or allow_random_weights: '
-                   'true for timing and simulation')
-            self.log.error(msg)
-            self.start_error = StartError(msg)
-            return FAILURE
+        for link in self.links:
+            kind = link.cfg.p['robot']
+            if cfg.random_weights and kind != 'identity' and not cfg.p['allow_random_weights']:
+                msg = (f'refusing to activate: the {link.label()}{kind} robot would be driven '
+                       'by RANDOM weights (no checkpoint). Set checkpoint, or '
+                       'allow_random_weights: true for timing and simulation')
+                self.log.error(msg)
+                self.start_error = StartError(msg)
+                return FAILURE
         self._stop.clear()
         for link in self.links:
             link.activate()
         self._start_threads()
-        self.asks.activate(self.engine)
+        for link in self.links:
+            link.asks.activate(RobotAsks(self.engine, link.name) if self.fleet else self.engine)
         self.log.info('active: commanding ' + ', '.join(
             t for link in self.links for t in link.topics()))
         return SUCCESS
@@ -228,15 +321,30 @@ class OxygenNode(LifecycleNode):
 
         cfg = self.cfg
         self.reporter.period = cfg.p['report_period']
+        settings = cfg.engine_settings()
+        if self.fleet:
+            settings['robots'] = len(self.links)
+            # The frame budget of the robot whose chunks are shortest.
+            settings['control_rate_hz'] = max(2.0 / link.cfg.action_period
+                                              for link in self.links)
         try:
-            self.engine = Engine(EngineConfig.from_dict(cfg.engine_settings()))
+            self.engine = Engine(EngineConfig.from_dict(settings))
         except (ValueError, OSError) as e:
             raise StartError(f'cannot start the engine: {e}') from None
         except Exception as e:  # e.g. a corrupt safetensors file raises its own error type
             raise StartError(f'cannot start the engine: {type(e).__name__}: {e}') from None
         e = self.engine
-        cfg.sized_tokens = e.cfg.max_new_tokens
-        cfg.check_engine(e.slots, e.action_dim, e.state_dim, e.conventions == 'lerobot')
+        for link in self.links:
+            link.cfg.sized_tokens = e.cfg.max_new_tokens
+            try:
+                link.cfg.check_engine(e.slots, e.action_dim, e.state_dim,
+                                      e.conventions == 'lerobot')
+            except StartError as err:
+                if not self.fleet:
+                    raise
+                raise StartError(f'robot {link.name}: {err}') from None
+            if self.fleet:
+                e.add_robot(link.name)
         self._setup_ros()
         if cfg.random_weights:
             weights = (f'model {cfg.p["model"] or "small"} with RANDOM weights (seed '
@@ -267,7 +375,8 @@ class OxygenNode(LifecycleNode):
             except Exception:  # already gone with the context
                 pass
         self.engine = None
-        self.cfg.sized_tokens = None
+        for link in self.links:
+            link.cfg.sized_tokens = None
 
     def _destroy(self, entity):
         # Through the node: a bare publisher or subscription destroy() leaves its QoS event
@@ -298,7 +407,8 @@ class OxygenNode(LifecycleNode):
         self._threads = []
         if any(was_active):
             # No frame runs now: open goals end with the reason and their rows are free.
-            self.asks.deactivate(why)
+            for link in self.links:
+                link.asks.deactivate(why)
 
     # -- ROS interface ---------------------------------------------------------------------
 
@@ -313,8 +423,13 @@ class OxygenNode(LifecycleNode):
         self.diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', 10)
         self._ros = [self.diag_pub,
                      self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'], self._diagnose)]
-        self.asks.deactivate('configured, not yet activated')
-        self.ask_server = AskServer(self, self.asks)
+        for link in self.links:
+            link.asks.deactivate('configured, not yet activated')
+        if self.fleet:
+            self.ask_server = AskServers([AskServer(self, link.asks, f'~/{link.name}/ask')
+                                          for link in self.links])
+        else:
+            self.ask_server = AskServer(self, self.asks)
         self._msgs = dict(DiagnosticArray=DiagnosticArray)
 
     def _now(self) -> float:
@@ -326,7 +441,8 @@ class OxygenNode(LifecycleNode):
         sim = self.get_parameter('use_sim_time').value
         for link in self.links:
             link.start(sim)
-        self._threads = [threading.Thread(target=self._run, name='engine', daemon=True)]
+        run = self._run_fleet if self.fleet else self._run
+        self._threads = [threading.Thread(target=run, name='engine', daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -350,7 +466,7 @@ class OxygenNode(LifecycleNode):
             except Exception as e:  # one bad frame must not end the node
                 if self._stopping():
                     break
-                link.failed(e)
+                link.failed(str(e))
                 continue
             link.finished(ready, result)
             unowned = self.asks.deliver(result.events)
@@ -366,24 +482,103 @@ class OxygenNode(LifecycleNode):
                 link.reporter.report(problem_key('publish', str(e)),
                                      f'narration not sent: {e}')
 
+    def _run_fleet(self):
+        """Frames of several robots: the planner says which are due, each of those brings
+        its newest observation, and one step_fleet serves them all. A robot that is stale,
+        whose inputs are bad or whose frame fails holds; the others go on."""
+        from oxygen_ros.engine import RobotInput
+        from oxygen_ros.engine.fleet import Planner
+
+        e = self.engine
+        # Due with half a chunk to spare, as the engine's frame budget leaves half a chunk
+        # for the next frame's latency: the estimate is of the model's part of a frame
+        # only, and this machine's load and the image conversion come on top.
+        spare = 0.5 * min(link.cfg.action_period for link in self.links) * e.action_horizon
+        planner = Planner(e.chunk_seconds, max(link.cfg.p['max_input_age']
+                                               for link in self.links),
+                          max_robots=len(self.links), margin=spare)
+        by = self.by_name
+        while not self._stop.is_set():
+            now = self._now()
+            plan = planner.plan(now, {link.name: link.times(now) for link in self.links})
+            for link in self.links:
+                if link.name not in plan.take:
+                    link.check(now)  # stale or missing inputs hold it
+            ready = {}
+            for name in plan.take:
+                r, _ = by[name].poll(e.slots)
+                if r is not None:
+                    ready[name] = r
+            if not ready:
+                # New images are seen only when taken: look again soon.
+                self._stop.wait(min(plan.wait or 0.002, 0.002))
+                continue
+            inputs = {n: RobotInput(r.obs, narrate=r.narrate,
+                                    max_new_tokens=self.cfg.p['max_new_tokens'],
+                                    handover=r.handover)
+                      for n, r in ready.items()}
+
+            def on_actions(name, actions, ready=ready):
+                r = ready[name]
+                by[name].on_actions(r.stamp, r.state, actions)
+
+            try:
+                result = e.step_fleet(inputs, on_actions=on_actions)
+            except Exception as err:  # one bad frame must not end the node
+                if self._stopping():
+                    break
+                for n in ready:
+                    by[n].failed(str(err))
+                continue
+            for n, why in result.errors.items():
+                by[n].failed(why)
+            for n, res in result.results.items():
+                by[n].finished(ready[n], res)
+            for n, events in result.events.items():
+                link = by.get(n)
+                if link is None:
+                    continue
+                unowned = link.asks.deliver(events)
+                if unowned:
+                    link.reporter.report('ask:unowned', 'question events of requests '
+                                         f'{sorted({ev.request_id for ev in unowned})} that '
+                                         'no goal holds: not delivered')
+                try:
+                    link.publish_events(events)
+                except Exception as err:  # publishing fails once ROS is shutting down
+                    if self._stopping():
+                        return
+                    link.reporter.report(problem_key('publish', str(err)),
+                                         f'narration not sent: {err}')
+
     # -- diagnostics -----------------------------------------------------------------------
 
-    def summary(self) -> dict:
-        """Everything /diagnostics reports, as plain numbers."""
-        link = self.links[0]
+    def summary(self, link=None) -> dict:
+        """Everything /diagnostics reports (for one robot of a fleet), as plain numbers."""
+        link = link or self.links[0]
         s = dict(self.engine.stats())
+        if self.fleet:
+            s.update(self.engine.robot_stats(link.name))
         s.update(link.summary(self.engine.action_horizon))
-        s.update(self.asks.stats())
+        s.update(link.asks.stats())
         s.update(link.counts())
         return s
 
     def _diagnose(self):
+        arr = self._msgs['DiagnosticArray']()
+        arr.header.stamp = self.get_clock().now().to_msg()
+        arr.status = [self._status(link) for link in self.links]
+        try:
+            self.diag_pub.publish(arr)
+        except Exception:  # shutting down
+            pass
+
+    def _status(self, link):
         from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 
-        link = self.links[0]
-        s = self.summary()
+        s = self.summary(link)
         st = DiagnosticStatus()
-        st.name = f'{self.get_name()}: inference'
+        st.name = f'{self.get_name()}: ' + (link.name if self.fleet else 'inference')
         st.hardware_id = self.cfg.p['device']
         with link.lock:
             active = link.active
@@ -395,13 +590,7 @@ class OxygenNode(LifecycleNode):
         st.values.append(KeyValue(key='last_hold', value=link.hold_reason))
         if link.reporter.recent:
             st.values.append(KeyValue(key='last_problem', value=link.reporter.recent[-1]))
-        arr = self._msgs['DiagnosticArray']()
-        arr.header.stamp = self.get_clock().now().to_msg()
-        arr.status.append(st)
-        try:
-            self.diag_pub.publish(arr)
-        except Exception:  # shutting down
-            pass
+        return st
 
 
 def _range_note(p) -> str:

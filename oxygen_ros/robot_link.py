@@ -110,7 +110,10 @@ class RobotLink:
         self.prefix = prefix
         self.private = private
         self.log = node.get_logger()
-        self.reporter = reporter or Reporter(self.log.warning)
+        if reporter is None:
+            # In a fleet every problem says whose it is.
+            reporter = Reporter(lambda m: self.log.warning(self.label() + m))
+        self.reporter = reporter
         self.reporter.period = cfg.p['report_period']
         self.lock = threading.Lock()
         self._tick_lock = threading.Lock()
@@ -424,10 +427,56 @@ class RobotLink:
         return Observation(stamp=frame.stamp, images=images, state=model_state,
                            prompt=prompt), state
 
-    def failed(self, e: Exception):
+    def failed(self, why: str):
         """A frame of this robot failed in the engine: it holds."""
-        self.reporter.report(problem_key('engine', str(e)), f'frame failed: {e}')
-        self.stop_commanding(f'model failure: {e}')
+        self.reporter.report(problem_key('engine', why), f'frame failed: {why}')
+        self.stop_commanding(f'model failure: {why}')
+
+    def times(self, now: float):
+        """What the fleet's planner needs of this robot: when its chunk runs out, and the
+        stamp of a new observation (None: none since its last frame, or stale inputs)."""
+        from oxygen_ros.engine.fleet import RobotTimes
+
+        for sub in self.image_subs:
+            take(sub)
+        chunk = self.player.chunk if self.player is not None else None
+        runs_out = None
+        if chunk is not None:
+            n = len(chunk.positions)
+            if self.player.play_steps:
+                n = min(n, self.player.play_steps)
+            runs_out = chunk.stamp + n * chunk.period
+        stamp = None
+        a = self.assembler
+        if a.fresh() and self.stale(now) is None:
+            got = [a.latest(n) for n in a.trigger]
+            stamps = [x.stamp for x in got if x is not None]
+            stamp = max(stamps) if stamps else None
+        return RobotTimes(runs_out, stamp)
+
+    def stale(self, now: float) -> str | None:
+        """Which required inputs are stale or missing now (Assembler's words), or None."""
+        limit = self.cfg.p['max_input_age']
+        problems = []
+        for name in self.assembler.required:
+            s = self.assembler.latest(name)
+            if s is None:
+                problems.append(f'{name} missing (nothing received yet)')
+            elif now - s.stamp > limit:
+                problems.append(f'{name} stale ({(now - s.stamp) * 1e3:.0f} ms old, limit '
+                                f'{limit * 1e3:.0f} ms)')
+        return '; '.join(problems) or None
+
+    def check(self, now: float):
+        """Between this robot's frames (a fleet's other robots run): stale or missing
+        inputs hold it, as they do when a frame of its own is sought; every 50 ms."""
+        if time.monotonic() - self._checked < 0.05:
+            return
+        self._checked = time.monotonic()
+        why = self.stale(now)
+        if why:
+            self.reporter.report(problem_key('frame', why), f'no frame: {why}')
+            self.stop_commanding(f'inputs: {why}')
 
     def on_actions(self, stamp: float, state: np.ndarray, actions: np.ndarray):
         profile = self.cfg.profile
