@@ -67,6 +67,7 @@ class Robots:
         self.joints = {r: node.create_publisher(JointState, f'/{r}/joint_states', best)
                        for r in ROBOTS}
         self.paused: set[str] = set()  # robots whose cameras are stopped
+        self.broken: set[str] = set()  # robots whose wrist images are all 16UC1
         self.stamps = {r: [] for r in ROBOTS}  # every stamp a robot sent, s
         self.traj = {r: [] for r in ROBOTS}  # (arrival, msg) per robot
         self.diag: dict[str, tuple[int, str, dict]] = {}  # robot -> (level, message, values)
@@ -90,8 +91,11 @@ class Robots:
         for r, cams in self.cams.items():
             if r in self.paused:
                 continue
-            for pub in cams.values():
-                pub.publish(image(stamp=self._stamp(r)))
+            for cam, pub in cams.items():
+                m = image(stamp=self._stamp(r))
+                if cam == 'wrist' and r in self.broken:
+                    m.encoding = '16UC1'
+                pub.publish(m)
 
     def _joints(self):
         for r, pub in self.joints.items():
@@ -175,6 +179,22 @@ def test_each_robots_ask_answers_from_its_own_frames(fleet):
         near = {o: min(abs(stamp - t) for t in list(fleet.stamps[o])) for o in ROBOTS}
         other = next(o for o in ROBOTS if o != r)
         assert near[r] < 1e-4 and near[other] > 1e-3, (r, stamp, near)
+
+
+def test_bad_images_of_one_robot_hold_only_that_robot(fleet):
+    mark = len(fleet.log())
+    fleet.broken.add('right')
+    try:
+        said = "robot right: camera wrist: unsupported image encoding '16UC1'"
+        assert wait_for(lambda: said in fleet.log()[mark:], 10), fleet.log()[mark:]
+        # Every wrist image of right is dropped: its wrist goes stale and it holds.
+        assert wait_for(lambda: 'robot right: no frame: wrist stale' in fleet.log()[mark:],
+                        AGE + 5.0), fleet.log()[mark:]
+        assert commanding(fleet, 'left'), fleet.log()[-3000:]
+        assert 'robot left: camera' not in fleet.log()[mark:], fleet.log()[mark:]
+    finally:
+        fleet.broken.discard('right')
+    assert commanding(fleet, 'right'), fleet.log()[-3000:]
 
 
 def test_a_robot_whose_camera_stops_holds_the_other_goes_on(fleet):
