@@ -3,7 +3,10 @@
 A lifecycle node (configure: check parameters, load the model, create topics; activate:
 command the robot; deactivate / cleanup / shutdown: stop, holding the robot where it is).
 What needs no ROS lives elsewhere: the parameter table and robot contract in contract.py,
-which points of a chunk to publish in playback.py, frame assembly in frames.py.
+which points of a chunk to publish in playback.py, frame assembly in frames.py. Each robot's
+ROS side (its topics, samples, control loop, holds, outputs) is a RobotLink
+(robot_link.py); this file keeps the lifecycle, the parameters, the engine thread and ~/ask.
+With `robots` the node serves several robots from one engine, a link each; without it, one.
 
 Threads, and why:
 - the robot's inputs are not dispatched by the executor: an ALOHA publishes ~1200 messages/s
@@ -13,8 +16,10 @@ Threads, and why:
   control thread takes the joint states each tick and the engine thread the newest image
   of each camera before each frame, so unused images are never even converted;
 - the engine thread builds a frame from the latest samples and runs engine.step; its
-  action chunk is handed to the player as soon as it exists, before language decoding;
-- the control thread asks the player what to publish at control_rate_hz. It sleeps to
+  action chunk is handed to the player as soon as it exists, before language decoding. In
+  a fleet it asks the planner (engine/fleet.py) which robots are due and runs step_fleet
+  over those with a new observation;
+- each robot's control thread asks the player what to publish at control_rate_hz. It sleeps to
   absolute deadlines instead of being an executor timer: on two cores a Python executor
   next to the model delayed timer callbacks by tens of ms (measured). Under use_sim_time
   control is a timer on the node's clock instead, so it follows /clock;

@@ -22,6 +22,7 @@ rclpy = pytest.importorskip('rclpy')
 ament = pytest.importorskip('ament_index_python.packages')
 from action_msgs.msg import GoalStatus  # noqa: E402
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+from rcl_interfaces.srv import GetParameters, SetParameters  # noqa: E402
 from rclpy.action import ActionClient  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
@@ -30,6 +31,7 @@ from test_launch import HAVE_LAUNCH, NO_ROS2, env_for, stop  # noqa: E402
 from test_node import (  # noqa: E402
     JOINTS,
     PARAMS,
+    Robot,
     image,
     joint_state,
     keeps_commanding,
@@ -79,6 +81,11 @@ class Robots:
         self.ask = {r: ActionClient(node, Ask, f'/oxygen_node/{r}/ask') for r in ROBOTS}
         node.create_timer(1 / 30, self._images)
         node.create_timer(1 / 50, self._joints)
+        self.params = node.create_client(SetParameters, '/oxygen_node/set_parameters')
+        self.get_params = node.create_client(GetParameters, '/oxygen_node/get_parameters')
+
+    # test_node's, over these clients.
+    call, set_param, get_param = Robot.call, Robot.set_param, Robot.get_param
 
     def _stamp(self, robot):
         # Right's samples are stamped 5 ms back, so no stamp of one robot is near the
@@ -179,6 +186,23 @@ def test_each_robots_ask_answers_from_its_own_frames(fleet):
         near = {o: min(abs(stamp - t) for t in list(fleet.stamps[o])) for o in ROBOTS}
         other = next(o for o in ROBOTS if o != r)
         assert near[r] < 1e-4 and near[other] > 1e-3, (r, stamp, near)
+
+
+def test_each_robot_has_its_own_parameters(fleet):
+    # The node's prompt for left, its own for right.
+    assert fleet.get_param('left.prompt') == 'pick up the cup'
+    assert fleet.get_param('right.prompt') == 'stack the blocks'
+    mark = len(fleet.log())
+    r = fleet.set_param('right.prompt', 'open the drawer')
+    assert r.successful, r.reason
+    assert wait_for(lambda: "parameter right.prompt = 'open the drawer'" in fleet.log()[mark:],
+                    5), fleet.log()[mark:]
+    assert fleet.get_param('left.prompt') == 'pick up the cup'
+    r = fleet.set_param('right.prompt', ' ')
+    assert not r.successful and 'empty prompt' in r.reason, r.reason
+    # Not live: never declared beyond what the params file gave, and refused.
+    r = fleet.set_param('left.max_input_age', 0.3)
+    assert not r.successful, r.reason
 
 
 def test_bad_images_of_one_robot_hold_only_that_robot(fleet):
