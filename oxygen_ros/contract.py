@@ -151,6 +151,10 @@ PARAMS = (
     Param('report_period', 5.0, 's; the same problem is logged at most once per period',
           low=0.0, above=True, live=True),
     Param('diagnostics_rate_hz', 1.0, '/diagnostics publish rate', low=0.0, above=True),
+    # a fleet
+    Param('robots', None, 'robot names: one node serves them all from one engine, each with '
+          'its own <robot>.* parameters (see FLEET_PARAMS); [] = the node\'s one robot, '
+          'from the parameters above', 'str[]'),
 )
 
 GROUP_PARAMS = (
@@ -167,6 +171,22 @@ LIMIT_PARAM = Param('joint_limits.<group>.<joint>.<lower|upper|velocity|accelera
                     'float')
 
 BY_NAME = {p.name: p for p in PARAMS}
+
+# A robot of a fleet: <robot>.namespace, <robot>.robot_file, and any parameter of ROBOT_KEYS
+# (and its outputs.* and joint_limits.*) as <robot>.<name>, over the robot file's values,
+# over the node's own.
+FLEET_PARAMS = (
+    Param('namespace', '', "prefix of the robot's relative topics; '' = the robot's name"),
+    Param('robot_file', '', "a params file (as config/sim.yaml) with the robot's parameters; "
+          "'' = none"),
+)
+FLEET_BY_NAME = {p.name: p for p in FLEET_PARAMS}
+ROBOT_KEYS = ('max_command_horizon', 'play_steps', 'max_future_stamp', 'limit_hold_margin',
+              'publish_predicted', 'robot', 'profile_options', 'cameras', 'camera_topics',
+              'camera_slots', 'optional_cameras', 'image_qos', 'joint_topics', 'joint_sources',
+              'joints', 'joint_qos', 'output_groups', 'prompt', 'max_prompt_chars',
+              'control_rate_hz', 'action_rate_hz', 'max_input_age', 'max_skew',
+              'narration_every_n_frames')
 
 ENGINE_KEYS = ('model', 'checkpoint', 'normalize', 'conventions', 'asset_id', 'tokenizer',
                'device', 'threads', 'denoise_steps', 'decode_k', 'frame_budget_ms',
@@ -205,6 +225,69 @@ def coerce(name: str, value, p: Param):
         if bad:
             raise StartError(f'parameter {name} must be {p.range_text()}, got {x!r}')
     return list(value) if kind.endswith('[]') else value
+
+
+def robot_key(name: str) -> bool:
+    """Whether `name` (without the robot's prefix) is a robot's own parameter."""
+    return (name in ROBOT_KEYS or name.startswith('outputs.') or is_limit(name)
+            or name in ('namespace', 'robot_file'))
+
+
+def flatten(tree: dict, prefix: str = '') -> dict:
+    """A params file's nested mapping as ROS flattens it: {'a': {'b': 1}} -> {'a.b': 1}."""
+    out = {}
+    for k, v in tree.items():
+        name = f'{prefix}{k}'
+        if isinstance(v, dict):
+            out.update(flatten(v, name + '.'))
+        else:
+            out[name] = v
+    return out
+
+
+def read_robot_file(robot: str, path: str) -> tuple[dict, list[str]]:
+    """The robot parameters of a params file (its first node's ros__parameters), flat, and
+    the node parameters it also sets, which a robot cannot (the model and engine are shared
+    by the node's robots: the node's values stand). Other names (e.g. oxygen_sim_robot's in
+    config/sim.yaml) are for other nodes and are left alone."""
+    where = f'robot {robot}: robot_file {path}'
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except OSError as e:
+        raise StartError(f'{where}: {e.strerror or e}') from None
+    except yaml.YAMLError as e:
+        raise StartError(f'{where} is not YAML: {e}') from None
+    if not isinstance(doc, dict) or not doc:
+        raise StartError(f'{where}: expected a params file (<node>: ros__parameters: ...)')
+    block = next(iter(doc.values()))
+    params = block.get('ros__parameters') if isinstance(block, dict) else None
+    if not isinstance(params, dict):
+        raise StartError(f'{where}: no ros__parameters mapping')
+    values = flatten(params)
+    own = {k: v for k, v in values.items() if robot_key(k) and k not in FLEET_BY_NAME}
+    shared = sorted(k for k in values if k in BY_NAME and k not in own)
+    return own, shared
+
+
+def robot_config(robot: str, node_values: dict, file_values: dict, own: dict) -> Config:
+    """One robot of a fleet: its own values over its robot file's over the node's."""
+    if not re.fullmatch(r'[A-Za-z][A-Za-z0-9_]*', robot):
+        raise StartError(f'robot name {robot!r} must be a plain identifier')
+    given = {**file_values, **own}
+    values = dict(node_values)
+    # Output groups and joint limits come whole from one place, the robot's or the node's.
+    for kind in ('outputs.', 'joint_limits'):
+        if any(k.startswith(kind) for k in given):
+            values = {k: v for k, v in values.items() if not k.startswith(kind)}
+    values.update(given)
+    values.pop('namespace', None)
+    values.pop('robot_file', None)
+    values['robots'] = []
+    try:
+        return Config.from_values(values)
+    except StartError as e:
+        raise StartError(f'robot {robot}: {e}') from None
 
 
 def is_limit(name: str) -> bool:

@@ -3,7 +3,10 @@
 A lifecycle node (configure: check parameters, load the model, create topics; activate:
 command the robot; deactivate / cleanup / shutdown: stop, holding the robot where it is).
 What needs no ROS lives elsewhere: the parameter table and robot contract in contract.py,
-which points of a chunk to publish in playback.py, frame assembly in frames.py.
+which points of a chunk to publish in playback.py, frame assembly in frames.py. Each robot's
+ROS side (its topics, samples, control loop, holds, outputs) is a RobotLink
+(robot_link.py); this file keeps the lifecycle, the parameters, the engine thread and ~/ask.
+With `robots` the node serves several robots from one engine, a link each; without it, one.
 
 Threads, and why:
 - the robot's inputs are not dispatched by the executor: an ALOHA publishes ~1200 messages/s
@@ -13,8 +16,10 @@ Threads, and why:
   control thread takes the joint states each tick and the engine thread the newest image
   of each camera before each frame, so unused images are never even converted;
 - the engine thread builds a frame from the latest samples and runs engine.step; its
-  action chunk is handed to the player as soon as it exists, before language decoding;
-- the control thread asks the player what to publish at control_rate_hz. It sleeps to
+  action chunk is handed to the player as soon as it exists, before language decoding. In
+  a fleet it asks the planner (engine/fleet.py) which robots are due and runs step_fleet
+  over those with a new observation;
+- each robot's control thread asks the player what to publish at control_rate_hz. It sleeps to
   absolute deadlines instead of being an executor timer: on two cores a Python executor
   next to the model delayed timer callbacks by tens of ms (measured). Under use_sim_time
   control is a timer on the node's clock instead, so it follows /clock;
@@ -25,28 +30,25 @@ Threads, and why:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import math
 import re
 import signal
 import sys
 import threading
 import time
 
-import numpy as np
 from rcl_interfaces.msg import (
     FloatingPointRange,
     IntegerRange,
     ParameterDescriptor,
     SetParametersResult,
 )
-from rclpy.callback_groups import CallbackGroup
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 
 from oxygen_ros.ask import Asks
 from oxygen_ros.contract import (
     BY_NAME,
+    FLEET_BY_NAME,
     GROUP_PARAMS,
     LIMIT_PARAM,
     PARAMS,
@@ -55,56 +57,46 @@ from oxygen_ros.contract import (
     coerce,
     command_line_params,
     is_limit,
-    prompt_problem,
+    read_robot_file,
+    robot_config,
+    robot_key,
 )
-from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_rgb
-from oxygen_ros.limits import describe as describe_limits
-from oxygen_ros.playback import Command, Player, make_chunk
+from oxygen_ros.frames import Reporter
+from oxygen_ros.robot_link import RobotLink, problem_key
+
+__all__ = ['OxygenNode', 'main', 'problem_key']
 
 SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
 # How long a stopping node spins on to send the results of the ~/ask goals it ended.
 ASK_CLOSE_S = 1.0
 
 
-def problem_key(kind: str, text: str) -> str:
-    # Numbers (ages, counts) change every time; the kind of problem does not.
-    return kind + ':' + re.sub(r'[-\d.]+', '#', text)
+class RobotAsks:
+    """The engine as one robot's ~/ask sees it: its questions are about that robot's frames."""
+
+    def __init__(self, engine, robot: str):
+        self.engine, self.robot = engine, robot
+
+    def ask(self, question: str, max_new_tokens: int = 0, prompt_format: str = '') -> int:
+        return self.engine.ask(question, max_new_tokens, prompt_format, robot=self.robot)
+
+    def cancel(self, request_id: int):
+        return self.engine.cancel(request_id)
 
 
-def seconds(stamp) -> float:
-    return stamp.sec + stamp.nanosec * 1e-9
+class AskServers:
+    """The ~/<robot>/ask servers of a fleet, closed and destroyed together."""
 
+    def __init__(self, servers):
+        self.servers = servers
 
-def duration(dt: float):
-    from builtin_interfaces.msg import Duration
+    def close(self, spin_once, limit_s: float) -> int:
+        end = time.monotonic() + limit_s
+        return sum(s.close(spin_once, max(0.0, end - time.monotonic())) for s in self.servers)
 
-    ns = max(1, int(dt * 1e9))
-    return Duration(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
-
-
-class Polled(CallbackGroup):
-    """Subscriptions the node's own threads take from (see take()); no executor runs them."""
-
-    def can_execute(self, entity) -> bool:
-        return False
-
-    def beginning_execution(self, entity) -> bool:
-        return False
-
-    def ending_execution(self, entity) -> None:
-        pass
-
-
-def take(sub) -> int:
-    """Run the callback of `sub` on every message waiting, oldest first; returns how many."""
-    n = 0
-    while True:
-        with sub.handle:
-            got = sub.handle.take_message(sub.msg_type, sub.raw)
-        if got is None:
-            return n
-        sub.callback(got[0])
-        n += 1
+    def destroy(self):
+        for s in self.servers:
+            s.destroy()
 
 
 class OxygenNode(LifecycleNode):
@@ -116,24 +108,29 @@ class OxygenNode(LifecycleNode):
         self.log = self.get_logger()
         self.reporter = Reporter(self.log.warning)
         self._lock = threading.Lock()
-        self._tick_lock = threading.Lock()
-        self._stop = threading.Event()  # ends the engine and control threads
-        self._active = False  # chunks from the engine are played only while True
+        self._stop = threading.Event()  # ends the engine thread
         self._threads: list[threading.Thread] = []
-        self._ros: list = []  # subscriptions, publishers and timers made by configure
+        self._ros: list = []  # publishers and timers made by configure
         self.engine = None
-        self.player = None
-        self._timer = None  # control under use_sim_time
         self.asks = Asks()  # ~/ask goals; the engine takes them only while active
         self.ask_server = None  # from configure to cleanup, or past shutdown until main closes it
         self.start_error = StartError('a lifecycle transition failed; see the log above')
+        self.fleet: dict[str, tuple[Config, str]] = {}  # robot -> (its Config, namespace)
         self.cfg = self._read_params(argv)
+        if self.fleet:
+            self.links = [RobotLink(self, c, name=r, prefix=ns, private=f'~/{r}')
+                          for r, (c, ns) in self.fleet.items()]
+            for link in self.links:
+                link.asks = Asks()
+        else:
+            self.links = [RobotLink(self, self.cfg, reporter=self.reporter)]
+            self.links[0].asks = self.asks
+        self.by_name = {link.name: link for link in self.links}
         self.add_on_set_parameters_callback(self._on_set_parameters)
-        self._reset_stats()
 
     # -- parameters ------------------------------------------------------------------------
 
-    def _declare(self, name: str, p):
+    def _declare(self, name: str, p, default=None):
         from rclpy.exceptions import ParameterUninitializedException
 
         # dynamic_typing: a YAML `70` for a float parameter is fine; types are checked by
@@ -150,7 +147,7 @@ class OxygenNode(LifecycleNode):
         if override is not None:
             coerce(name, override.value, p)
         try:
-            self.declare_parameter(name, p.default, desc)
+            self.declare_parameter(name, p.default if default is None else default, desc)
             return self.get_parameter(name).value
         except ParameterUninitializedException:
             return None
@@ -178,35 +175,86 @@ class OxygenNode(LifecycleNode):
         for name, value in command_line_params(argv, self.get_name()).items():
             if name in table:
                 coerce(name, value, table[name])
-        return Config.from_values(values)
+        robots = coerce('robots', values['robots'], BY_NAME['robots'])
+        if not robots:
+            return Config.from_values(values)
+        if len(set(robots)) != len(robots):
+            raise StartError(f'robots lists a name twice: {robots}')
+        for r in robots:
+            self.fleet[r] = self._read_robot(r, values)
+        # The node's own settings (engine, lifecycle) with the first robot's contract.
+        return self.fleet[robots[0]][0]
+
+    def _read_robot(self, robot: str, values: dict) -> tuple[Config, str]:
+        """A robot's <robot>.* parameters over its robot file's over the node's."""
+        own = {}
+        for full in sorted(n for n in self._parameter_overrides if n.startswith(robot + '.')):
+            name = full[len(robot) + 1:]
+            if not robot_key(name):
+                raise StartError(f'robot {robot}: {name} is not a robot parameter (the '
+                                 'model and engine are the node\'s, shared by its robots)')
+            if name.startswith('outputs.'):
+                key = name.rpartition('.')[2]
+                p = next((q for q in GROUP_PARAMS if q.name == key), None)
+                if p is None:
+                    raise StartError(f'robot {robot}: unknown parameter {name}')
+            elif is_limit(name):
+                p = LIMIT_PARAM
+            else:
+                p = FLEET_BY_NAME.get(name) or BY_NAME[name]
+            own[name] = self._declare(full, p)
+        path = own.get('robot_file') or ''
+        file_values, shared = read_robot_file(robot, path) if path else ({}, [])
+        if shared:
+            self.log.info(f'robot {robot}: {path} also sets {", ".join(shared)}: the '
+                          "node's values stand (its robots share them)")
+        cfg = robot_config(robot, values, file_values, own)
+        if 'prompt' not in own:  # settable while running, as the node's prompt is
+            self._declare(f'{robot}.prompt', BY_NAME['prompt'], cfg.p['prompt'])
+        return cfg, own.get('namespace') or robot
 
     def _on_set_parameters(self, params) -> SetParametersResult:
         checked = {}
         for param in params:
-            if param.name not in BY_NAME:
-                continue  # rclpy's own (use_sim_time); outputs.* are read-only
+            robot, _, base = param.name.partition('.')
+            links = getattr(self, 'by_name', {})
+            if param.name in BY_NAME:
+                cfg, name, only = self.cfg, param.name, None
+            elif robot in self.fleet and robot in links:
+                cfg, name, only = links[robot].cfg, base, links[robot]
+            else:
+                continue  # rclpy's own (use_sim_time), read-only ones, or before the links
             try:
-                checked[param.name] = self.cfg.check_live(param.name, param.value)
+                checked[param.name] = (name, cfg.check_live(name, param.value), only)
             except StartError as e:
                 self.log.warning(f'parameter {param.name} not set: {e}')
                 return SetParametersResult(successful=False, reason=str(e))
-        for name, value in checked.items():
-            self._apply(name, value)
+        for full, (name, value, only) in checked.items():
+            self._apply(name, value, only, full)
         return SetParametersResult(successful=True)
 
-    def _apply(self, name: str, value):
+    def _apply(self, name: str, value, only=None, full: str = ''):
+        links = self.links if only is None else [only]
         with self._lock:
-            self.cfg.p[name] = value
+            if only is None:
+                self.cfg.p[name] = value
+            for link in links:
+                link.cfg.p[name] = value
+        for link in links:
             if name == 'prompt':
-                self._prompt = value.strip()
-                self._narrate_now = True
+                link.set_prompt(value)
+            elif name == 'report_period':
+                link.reporter.period = value
+            elif link.player is not None and name == 'max_command_horizon':
+                link.player.horizon = value
+            elif link.player is not None and name == 'play_steps':
+                link.player.play_steps = value
         if name == 'report_period':
             self.reporter.period = value
-        elif self.player is not None and name == 'max_command_horizon':
-            self.player.horizon = value
-        elif self.player is not None and name == 'play_steps':
-            self.player.play_steps = value
-        elif self.engine is not None and name == 'temperature':
+        if only is not None:
+            self.log.info(f'parameter {full} = {value!r}')
+            return
+        if self.engine is not None and name == 'temperature':
             self.engine.cfg = dataclasses.replace(self.engine.cfg, temperature=value)
         elif self.engine is not None and name == 'decode_k':
             self.engine.scheduler.decode_k = value
@@ -234,21 +282,23 @@ class OxygenNode(LifecycleNode):
 
     def on_activate(self, state) -> TransitionCallbackReturn:
         cfg = self.cfg
-        if cfg.random_weights and cfg.p['robot'] != 'identity' and not cfg.p[
-                'allow_random_weights']:
-            msg = (f'refusing to activate: the {cfg.p["robot"]} robot would be driven by '
-                   'RANDOM weights (no checkpoint). Set checkpoint, or allow_random_weights: '
-                   'true for timing and simulation')
-            self.log.error(msg)
-            self.start_error = StartError(msg)
-            return FAILURE
+        for link in self.links:
+            kind = link.cfg.p['robot']
+            if cfg.random_weights and kind != 'identity' and not cfg.p['allow_random_weights']:
+                msg = (f'refusing to activate: the {link.label()}{kind} robot would be driven '
+                       'by RANDOM weights (no checkpoint). Set checkpoint, or '
+                       'allow_random_weights: true for timing and simulation')
+                self.log.error(msg)
+                self.start_error = StartError(msg)
+                return FAILURE
         self._stop.clear()
-        with self._lock:
-            self._active = True
+        for link in self.links:
+            link.activate()
         self._start_threads()
-        self.asks.activate(self.engine)
+        for link in self.links:
+            link.asks.activate(RobotAsks(self.engine, link.name) if self.fleet else self.engine)
         self.log.info('active: commanding ' + ', '.join(
-            self.resolve_topic_name(g.topic) for g in cfg.groups))
+            t for link in self.links for t in link.topics()))
         return SUCCESS
 
     def on_deactivate(self, state) -> TransitionCallbackReturn:
@@ -276,26 +326,30 @@ class OxygenNode(LifecycleNode):
 
         cfg = self.cfg
         self.reporter.period = cfg.p['report_period']
-        self._prompt = cfg.p['prompt']
-        self._narrate_now = False
-        self.assembler = cfg.assembler()
-        self.player = Player(cfg.p['max_command_horizon'], cfg.p['play_steps'],
-                             hold_after=1.0 / cfg.p['control_rate_hz'], limits=cfg.limits)
-        # Each source's state joints, and the controllers' joints for a hold at measured
-        # positions.
-        self._readings = {s: JointReadings(w, [j for src, j in cfg.hold_sources.values()
-                                               if src == s])
-                          for s, w in cfg.wanted.items()}
-        self._last_target = np.full(cfg.profile.action_dim, np.nan)
+        settings = cfg.engine_settings()
+        if self.fleet:
+            settings['robots'] = len(self.links)
+            # The frame budget of the robot whose chunks are shortest.
+            settings['control_rate_hz'] = max(2.0 / link.cfg.action_period
+                                              for link in self.links)
         try:
-            self.engine = Engine(EngineConfig.from_dict(cfg.engine_settings()))
+            self.engine = Engine(EngineConfig.from_dict(settings))
         except (ValueError, OSError) as e:
             raise StartError(f'cannot start the engine: {e}') from None
         except Exception as e:  # e.g. a corrupt safetensors file raises its own error type
             raise StartError(f'cannot start the engine: {type(e).__name__}: {e}') from None
         e = self.engine
-        cfg.sized_tokens = e.cfg.max_new_tokens
-        cfg.check_engine(e.slots, e.action_dim, e.state_dim, e.conventions == 'lerobot')
+        for link in self.links:
+            link.cfg.sized_tokens = e.cfg.max_new_tokens
+            try:
+                link.cfg.check_engine(e.slots, e.action_dim, e.state_dim,
+                                      e.conventions == 'lerobot')
+            except StartError as err:
+                if not self.fleet:
+                    raise
+                raise StartError(f'robot {link.name}: {err}') from None
+            if self.fleet:
+                e.add_robot(link.name)
         self._setup_ros()
         if cfg.random_weights:
             weights = (f'model {cfg.p["model"] or "small"} with RANDOM weights (seed '
@@ -315,6 +369,8 @@ class OxygenNode(LifecycleNode):
     def _cleanup(self, keep_ask_server: bool = False):
         self._halt('cleanup')
         entities, self._ros = self._ros, []
+        for link in self.links:
+            entities += link.entities()
         if self.ask_server is not None and not keep_ask_server:
             entities.append(self.ask_server)
             self.ask_server = None
@@ -324,7 +380,8 @@ class OxygenNode(LifecycleNode):
             except Exception:  # already gone with the context
                 pass
         self.engine = None
-        self.cfg.sized_tokens = None
+        for link in self.links:
+            link.cfg.sized_tokens = None
 
     def _destroy(self, entity):
         # Through the node: a bare publisher or subscription destroy() leaves its QoS event
@@ -343,535 +400,202 @@ class OxygenNode(LifecycleNode):
             entity.destroy()  # the AskServer
 
     def _halt(self, why: str):
-        """Stop commanding: hold the robot where it is, then end the threads."""
-        with self._lock:
-            was_active = self._active
-            self._active = False
-        if was_active:
-            self._stop_commanding(why)
-            self._tick()  # publish the hold now, not at the next control period
+        """Stop commanding: hold every robot where it is, then end the threads."""
+        was_active = [link.deactivate(why) for link in self.links]
         self._stop.set()
-        if self._timer is not None:
-            self.destroy_timer(self._timer)
-            self._timer = None
+        for link in self.links:
+            link.stop()
         for t in self._threads:
             t.join(10.0)
             if t.is_alive():
                 self.log.error(f'{t.name} thread still busy after 10 s; leaving it')
         self._threads = []
-        if was_active:
+        if any(was_active):
             # No frame runs now: open goals end with the reason and their rows are free.
-            self.asks.deactivate(why)
-
-    def _stop_commanding(self, why: str):
-        self.player.stop(why)  # the next tick publishes the hold and says why
+            for link in self.links:
+                link.asks.deactivate(why)
 
     # -- ROS interface ---------------------------------------------------------------------
 
-    def _qos(self, choice: str, depth: int):
-        from rclpy.qos import QoSProfile, ReliabilityPolicy
-
-        # sensor_data is best effort, like rclpy's qos_profile_sensor_data.
-        rel = ReliabilityPolicy.RELIABLE if choice == 'reliable' else ReliabilityPolicy.BEST_EFFORT
-        return QoSProfile(depth=depth, reliability=rel)
-
     def _setup_ros(self):
         from diagnostic_msgs.msg import DiagnosticArray
-        from rclpy.qos import QoSProfile, ReliabilityPolicy
-        from sensor_msgs.msg import Image, JointState
-        from std_msgs.msg import Empty, String
-        from trajectory_msgs.msg import JointTrajectory
 
         from oxygen_ros.ask_server import AskServer
-        from oxygen_ros.msg import Narration
 
         cfg = self.cfg
-        sub = self.create_subscription
-        polled = Polled()
-        # Only the newest image of a camera is ever used; joint states are taken every
-        # control tick, and 50 deep holds 0.1 s of a 500 Hz stream should a tick run late.
-        self._image_subs = [sub(Image, topic, lambda m, c=cam: self._on_image(c, m),
-                                self._qos(cfg.p['image_qos'], 1), callback_group=polled)
-                            for cam, topic in cfg.cameras.items()]
-        self._joint_subs = [sub(JointState, topic, lambda m, s=src: self._on_joints(s, m),
-                                self._qos(cfg.p['joint_qos'], 50), callback_group=polled)
-                            for src, topic in cfg.joint_topics.items()]
-        self._ros = [*self._image_subs, *self._joint_subs,
-                     sub(String, '~/prompt', self._on_prompt, 10),
-                     sub(Empty, '~/narrate', self._on_narrate, 10)]
-        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self.traj_pubs = {g.name: self.create_publisher(JointTrajectory, g.topic, reliable)
-                          for g in cfg.groups}
-        deep = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
-        self.narration_pub = self.create_publisher(Narration, '~/narration', deep)
-        self.text_pub = self.create_publisher(String, '~/narration/text', deep)
+        for link in self.links:
+            link.configure()
         self.diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', 10)
-        self.predicted_pub = (self.create_publisher(JointTrajectory, '~/predicted_trajectory',
-                                                    reliable)
-                              if cfg.p['publish_predicted'] else None)
-        self._ros += [*self.traj_pubs.values(), self.narration_pub, self.text_pub,
-                      self.diag_pub, *([self.predicted_pub] if self.predicted_pub else []),
-                      self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'], self._diagnose)]
-        self.asks.deactivate('configured, not yet activated')
-        self.ask_server = AskServer(self, self.asks)
-        self._msgs = dict(JointTrajectory=JointTrajectory, Narration=Narration, String=String,
-                          DiagnosticArray=DiagnosticArray)
-        self.log.info(
-            f'{cfg.p["robot"]} robot, model {cfg.p["model"]}: cameras '
-            + ', '.join(f'{c} <- {self.resolve_topic_name(t)}' for c, t in cfg.cameras.items())
-            + '; joints <- ' + ', '.join(self.resolve_topic_name(t)
-                                         for t in cfg.joint_topics.values())
-            + '; trajectories -> ' + ', '.join(self.resolve_topic_name(g.topic)
-                                               for g in cfg.groups)
-            + f'; control {cfg.p["control_rate_hz"]:g} Hz, actions every '
-            f'{cfg.action_period * 1e3:.1f} ms, commands reach at most '
-            f'{cfg.p["max_command_horizon"]:g} s ahead; '
-            + describe_limits(cfg.limits, [f'{g.name}/{j}' for g in cfg.groups for j in g.joints]))
+        self._ros = [self.diag_pub,
+                     self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'], self._diagnose)]
+        for link in self.links:
+            link.asks.deactivate('configured, not yet activated')
+        if self.fleet:
+            self.ask_server = AskServers([AskServer(self, link.asks, f'~/{link.name}/ask')
+                                          for link in self.links])
+        else:
+            self.ask_server = AskServer(self, self.asks)
+        self._msgs = dict(DiagnosticArray=DiagnosticArray)
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
-    def _stamp(self, header, what: str) -> float | None:
-        """The time a sample describes, or None (reported) when it lies in the future."""
-        now = self._now()
-        t = seconds(header.stamp)
-        if t <= 0:
-            # Some drivers leave the stamp at zero; the arrival time is the best guess then.
-            return now
-        ahead = t - now
-        if ahead > self.cfg.p['max_future_stamp']:
-            self.reporter.report(f'future:{what}', f'{what}: stamp {ahead * 1e3:.0f} ms in the '
-                                 f'future (limit {self.cfg.p["max_future_stamp"] * 1e3:.0f} ms); '
-                                 'message dropped: the sender and this node must share a clock')
-            return None
-        return t
-
-    # -- input callbacks: validate cheaply, keep the latest, nothing else -------------------
-
-    def _on_image(self, cam: str, msg):
-        why = image_problem(msg)
-        if why:
-            self.reporter.report(problem_key(f'image:{cam}', why),
-                                 f'camera {cam}: {why}; image dropped, the last good one is kept')
-            return
-        t = self._stamp(msg.header, f'camera {cam}')
-        if t is None:
-            return
-        self.assembler.put(cam, msg, t)
-
-    def _on_joints(self, src: str, msg):
-        topic = self.cfg.joint_topics[src]
-        names, positions = msg.name, msg.position
-        if len(names) != len(positions):
-            self.reporter.report(f'joints:{src}:lengths',
-                                 f'{topic}: {len(names)} names but {len(positions)} '
-                                 'positions; message dropped')
-            return
-        readings = self._readings[src]
-        got = {n: x for n, x in zip(names, positions, strict=True) if n in readings.keep}
-        bad = sorted(n for n, x in got.items() if not math.isfinite(x))
-        if bad:
-            self.reporter.report(f'joints:{src}:nonfinite:{bad}',
-                                 f'{topic}: joints {", ".join(bad)} read NaN/inf; message '
-                                 'dropped, the last good readings are kept')
-            return
-        if readings.wanted.isdisjoint(got):
-            self.reporter.report(f'joints:{src}:unknown',
-                                 f'{topic}: none of the joints {list(names)} are used; '
-                                 f'expected {sorted(readings.wanted)}')
-            return
-        t = self._stamp(msg.header, topic)
-        if t is None:
-            return
-        merged, oldest = readings.update(got, t)
-        limit = self.cfg.p['max_input_age']
-        if t - oldest > limit:
-            self.reporter.report(f'joints:{src}:dropped', f'{topic}: joints '
-                                 f'{", ".join(readings.gone(t, limit))} missing from its '
-                                 f'messages for {(t - oldest) * 1e3:.0f} ms (limit '
-                                 f'{limit * 1e3:.0f} ms): stale')
-        self.assembler.put(f'joints:{src}', merged, oldest)
-
-    def _on_prompt(self, msg):
-        why = prompt_problem(msg.data, self.cfg.p['max_prompt_chars'])
-        if why:
-            self.reporter.report(f'prompt:{why[:12]}', f'~/prompt: {why}; keeping '
-                                 f'{self._prompt!r}')
-            return
-        with self._lock:
-            self._prompt = msg.data.strip()
-            self._narrate_now = True
-        self.log.info(f'task prompt: {self._prompt!r}')
-
-    def _on_narrate(self, _msg):
-        with self._lock:
-            self._narrate_now = True
-
     # -- engine thread ---------------------------------------------------------------------
 
     def _start_threads(self):
-        # What came while inactive, so the first frame is not judged on old readings.
-        for sub in self._joint_subs:
-            take(sub)
-        self._threads = [threading.Thread(target=self._run, name='engine', daemon=True)]
-        if self.get_parameter('use_sim_time').value:
-            # Simulated time: a timer on the node's clock in its own callback group, so
-            # control follows /clock and stops while the simulation is paused.
-            from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-
-            self._tick_clock = self._now
-            self._timer = self.create_timer(1.0 / self.cfg.p['control_rate_hz'], self._tick,
-                                            callback_group=MutuallyExclusiveCallbackGroup())
-        else:
-            self._tick_clock = time.monotonic
-            self._threads.append(threading.Thread(target=self._control, name='control',
-                                                  daemon=True))
+        sim = self.get_parameter('use_sim_time').value
+        for link in self.links:
+            link.start(sim)
+        run = self._run_fleet if self.fleet else self._run
+        self._threads = [threading.Thread(target=run, name='engine', daemon=True)]
         for t in self._threads:
             t.start()
 
+    def _stopping(self) -> bool:
+        return self._stop.is_set() or not self.context.ok()
+
     def _run(self):
-        frames = 0
-        checked = 0.0
+        link = self.links[0]
         while not self._stop.is_set():
-            for sub in self._image_subs:
-                take(sub)
-            now = self._now()
-            # Staleness is checked every 50 ms even when nothing new came.
-            if not self.assembler.fresh() and time.monotonic() - checked < 0.05:
-                self._stop.wait(0.002)
-                continue
-            checked = time.monotonic()
-            frame, why = self.assembler.ready(now)
-            if frame is None:
-                if why.startswith('no new input'):
-                    self._stop.wait(0.002)
-                else:
-                    self.reporter.report(problem_key('frame', why), f'no frame: {why}')
-                    if 'stale' in why or 'missing' in why:
-                        self._stop_commanding(f'inputs: {why}')
-                        # Until something comes back, checking every 50 ms is enough.
-                        self._stop.wait(0.05)
+            ready, wait = link.poll(self.engine.slots)
+            if ready is None:
+                if wait:
+                    self._stop.wait(wait)
                 continue
             try:
-                obs, state = self._observation(frame)
-            except ValueError as e:
-                self.reporter.report(problem_key('frame', str(e)), f'no frame: {e}')
-                continue
-            for note in frame.notes:
-                self.reporter.report(problem_key('mask', note), f'camera {note} (masked)')
-            frames += 1
-            every = self.cfg.p['narration_every_n_frames']
-            with self._lock:
-                narrate = self._narrate_now or (every > 0 and frames % every == 1 % every)
-                self._narrate_now = False
-            # A stamp within max_future_stamp ahead must not shift the chunk into the future.
-            stamp = min(frame.stamp, now)
-            try:
-                handover = self._handover(stamp, state) if self.cfg.p['rtc'] else None
                 result = self.engine.step(
-                    obs, narrate=narrate, max_new_tokens=self.cfg.p['max_new_tokens'],
-                    on_actions=lambda a, t=stamp, s=state: self._on_actions(t, s, a),
-                    handover=handover)
+                    ready.obs, narrate=ready.narrate,
+                    max_new_tokens=self.cfg.p['max_new_tokens'],
+                    on_actions=lambda a, t=ready.stamp, s=ready.state: link.on_actions(t, s, a),
+                    handover=ready.handover)
             except Exception as e:  # one bad frame must not end the node
                 if self._stopping():
                     break
-                self.reporter.report(problem_key('engine', str(e)), f'frame failed: {e}')
-                self._stop_commanding(f'model failure: {e}')
+                link.failed(str(e))
                 continue
-            self._stats['frames'] += 1
-            self._stats['narration_requests'] += int(narrate)
-            if result.rejected:
-                self.reporter.report('narration:rejected', result.rejected)
+            link.finished(ready, result)
             unowned = self.asks.deliver(result.events)
             if unowned:
                 self.reporter.report('ask:unowned', 'question events of requests '
                                      f'{sorted({e.request_id for e in unowned})} that no goal '
                                      'holds: not delivered')
             try:
-                self._publish_events(result.events)
+                link.publish_events(result.events)
             except Exception as e:  # publishing fails once ROS is shutting down
                 if self._stopping():
                     break
-                self.reporter.report(problem_key('publish', str(e)), f'narration not sent: {e}')
+                link.reporter.report(problem_key('publish', str(e)),
+                                     f'narration not sent: {e}')
 
-    def _handover(self, stamp: float, state: np.ndarray):
-        """Where this frame's chunk joins the chunk being played (real-time chunking): its
-        first action is action `start` of that chunk, and `delay` actions will have run by
-        the time it is out (the slowest of the last frames, unless rtc_delay says)."""
-        from oxygen_ros.engine import Handover
+    def _run_fleet(self):
+        """Frames of several robots: the planner says which are due, each of those brings
+        its newest observation, and one step_fleet serves them all. A robot that is stale,
+        whose inputs are bad or whose frame fails holds; the others go on."""
+        from oxygen_ros.engine import RobotInput
+        from oxygen_ros.engine.fleet import Planner
 
-        chunk = self.player.chunk
-        if chunk is None or chunk.actions is None:
-            return None
-        start = int(round((stamp - chunk.stamp) / chunk.period))
-        if start < 0:
-            return None
-        delay = self.cfg.p['rtc_delay']
-        if not delay:
-            recent = list(self._latency)[-10:]
-            delay = math.ceil(max(recent) / chunk.period) if recent else 0
-        self._stats['rtc_delay'] = delay
-        # The same motion in this frame's terms (delta actions are relative to the state).
-        previous = self.cfg.profile.rebase(chunk.actions, chunk.state, state)
-        return Handover(start, delay, previous)
-
-    def _observation(self, frame):
-        from oxygen_ros.engine import Observation
-
-        images = {slot: None for slot in self.engine.slots}
-        for cam, slot in self.cfg.slots.items():
-            msg = frame.values.get(cam)
-            if msg is not None:
-                try:
-                    images[slot] = image_to_rgb(msg)
-                except ValueError as e:
-                    raise ValueError(f'camera {cam}: {e}') from None
-        # The readings held with the frame's images, not the newest ones.
-        readings = {s: frame.values[f'joints:{s}'] for s in self.cfg.joint_topics}
-        with self._lock:
-            prompt = self._prompt
-        state = self.cfg.joint_map.vector(readings)
-        model_state = np.asarray(self.cfg.profile.encode_state(state), dtype=np.float32)
-        return Observation(stamp=frame.stamp, images=images, state=model_state,
-                           prompt=prompt), state
-
-    def _on_actions(self, stamp: float, state: np.ndarray, actions: np.ndarray):
-        profile = self.cfg.profile
-        try:
-            targets = profile.decode_actions(actions, state)
-        except ValueError as e:
-            self.reporter.report(problem_key('actions', str(e)), f'actions not usable: {e}')
-            self._stop_commanding(f'model failure: {e}')
-            return
-        if not np.all(np.isfinite(targets)):
-            self.reporter.report('actions:nonfinite', 'model produced NaN/inf actions; '
-                                 'not commanding this chunk')
-            self._stop_commanding('model failure: NaN/inf actions')
-            return
-        # A profile whose targets are relative to where the robot is (DROID's velocities)
-        # re-anchors the chunk on the state measured as each action step starts.
-        reanchor = None
-        if profile.reanchors:
-            def reanchor(first, measured, a=actions):
-                return profile.reanchor(a, measured=measured, first=first)
-        chunk = make_chunk(stamp, self.cfg.action_period, targets, actions, state, reanchor)
-        with self._lock:
-            if self._active:
-                self.player.play(chunk)
-        self._stats['chunks'] += 1
-        self._latency.append(self._now() - stamp)
-        self._chunk_times.append(time.monotonic())
-        if self.predicted_pub is not None:
-            self._publish_predicted(chunk)
-
-    def _publish_predicted(self, chunk):
-        from trajectory_msgs.msg import JointTrajectoryPoint
-
-        msg = self._msgs['JointTrajectory']()
-        msg.header.stamp.sec = int(chunk.stamp)
-        msg.header.stamp.nanosec = int((chunk.stamp - int(chunk.stamp)) * 1e9) % 1_000_000_000
-        idx = [i for g in self.cfg.groups for i in g.indices]
-        # Group-qualified names: ALOHA's two arms share joint names.
-        msg.joint_names = [f'{g.name}/{j}' for g in self.cfg.groups for j in g.joints]
-        for i, (p, v) in enumerate(zip(chunk.positions[:, idx], chunk.velocities[:, idx],
-                                       strict=True)):
-            msg.points.append(JointTrajectoryPoint(positions=p.tolist(), velocities=v.tolist(),
-                                                   time_from_start=duration(i * chunk.period)))
-        self.predicted_pub.publish(msg)
-
-    def _publish_events(self, events):
-        Narration, String = self._msgs['Narration'], self._msgs['String']
-        for e in events:
-            if e.kind != 'narration':
-                continue  # questions are answered through ~/ask
-            m = Narration()
-            m.header.stamp.sec = int(e.stamp)
-            m.header.stamp.nanosec = int(round((e.stamp - int(e.stamp)) * 1e9)) % 1_000_000_000
-            m.request_id = int(e.request_id)
-            m.delta, m.text, m.tokens, m.done = e.delta, e.text, int(e.tokens), bool(e.done)
-            self.narration_pub.publish(m)
-            if e.done:
-                if e.cancelled:
-                    self.reporter.report('narration:dropped', f'narration request '
-                                         f'{e.request_id}: {e.message}')
-                else:
-                    self.text_pub.publish(String(data=e.text))
-
-    # -- control ---------------------------------------------------------------------------
-
-    def _stopping(self) -> bool:
-        return self._stop.is_set() or not self.context.ok()
-
-    def _control(self):
-        period = 1.0 / self.cfg.p['control_rate_hz']
-        deadline = time.monotonic()
-        while not self._stopping():
-            deadline += period
-            delay = deadline - time.monotonic()
-            if delay > 0:
-                if self._stop.wait(delay):
-                    break
-            else:
-                # Late by a period or more: skip the lost ticks instead of bursting to catch up.
-                deadline += (-delay // period) * period
-            self._tick()
-
-    def _measured(self) -> np.ndarray | None:
-        readings = {s: r.values() for s, r in self._readings.items()}
-        try:
-            return self.cfg.joint_map.vector(readings)
-        except ValueError:
-            return None
-
-    def _hold_at(self) -> np.ndarray:
-        """Per action index, the last measured position of the joint it drives; where the
-        controller's joint is not measured, the last commanded position."""
-        out = self._last_target.copy()
-        for i, (src, joint) in self.cfg.hold_sources.items():
-            x = self._readings[src].get(joint)
-            if x is not None:
-                out[i] = x
-            else:
-                self.reporter.report(f'hold:unmeasured:{src}/{joint}', f'no measured position '
-                                     f'of {joint} on {self.cfg.joint_topics[src]}: the last '
-                                     'command stands in for it')
-        return out
-
-    def _tick(self):
-        with self._tick_lock:
-            for sub in self._joint_subs:
-                take(sub)
-            t = self._tick_clock()
-            period = 1.0 / self.cfg.p['control_rate_hz']
-            if self._ticks:
-                gap = t - self._ticks[-1]
-                self._gaps.append(gap)
-                if gap > 1.5 * period:
-                    self._stats['missed_ticks'] += int(round(gap / period)) - 1
-            self._ticks.append(t)
-            try:
-                cmd = self.player.tick(self._now(), self._measured, self._hold_at)
-            except ValueError as e:
-                self.reporter.report(problem_key('playback', str(e)), f'playback failed: {e}')
-                self._stop_commanding(f'playback failure: {e}')
-                return
-            if cmd is None:
-                with self._lock:
-                    if self._active:
-                        self._stats['hold_ticks'] += 1
-                return
-            for f in cmd.findings:
-                self.reporter.report(f'limits:{f.kind}:{f.joint}', f.text)
-            try:
-                self._publish(cmd)
-            except Exception as e:  # publishing fails once ROS is shutting down
-                if not self._stopping():
-                    self.reporter.report(problem_key('publish', str(e)),
-                                         f'trajectory not sent: {e}')
-
-    def _publish(self, cmd: Command):
-        from trajectory_msgs.msg import JointTrajectoryPoint
-
-        JointTrajectory = self._msgs['JointTrajectory']
-        durations = [duration(dt) for dt in cmd.times]
-        for g in self.cfg.groups:
-            pos = cmd.positions[:, g.indices]
-            if not np.all(np.isfinite(pos)):
-                self.reporter.report(f'hold:none:{g.name}', f'cannot hold {g.name}: no '
-                                     'measured or commanded position yet')
+        e = self.engine
+        # Due with half a chunk to spare, as the engine's frame budget leaves half a chunk
+        # for the next frame's latency: the estimate is of the model's part of a frame
+        # only, and this machine's load and the image conversion come on top.
+        spare = 0.5 * min(link.cfg.action_period for link in self.links) * e.action_horizon
+        planner = Planner(e.chunk_seconds, max(link.cfg.p['max_input_age']
+                                               for link in self.links),
+                          max_robots=len(self.links), margin=spare)
+        by = self.by_name
+        while not self._stop.is_set():
+            now = self._now()
+            plan = planner.plan(now, {link.name: link.times(now) for link in self.links})
+            for link in self.links:
+                if link.name not in plan.take:
+                    link.check(now)  # stale or missing inputs hold it
+            ready = {}
+            for name in plan.take:
+                r, _ = by[name].poll(e.slots)
+                if r is not None:
+                    ready[name] = r
+            if not ready:
+                # New images are seen only when taken: look again soon.
+                self._stop.wait(min(plan.wait or 0.002, 0.002))
                 continue
-            vel = cmd.velocities[:, g.indices]
-            msg = JointTrajectory()
-            # header.stamp stays zero: the controller starts the trajectory on arrival.
-            msg.joint_names = list(g.joints)
-            msg.points = [JointTrajectoryPoint(positions=p.tolist(), velocities=v.tolist(),
-                                               time_from_start=d)
-                          for p, v, d in zip(pos, vel, durations, strict=True)]
-            self.traj_pubs[g.name].publish(msg)
-        if cmd.hold:
-            self._stats['holds'] += 1
-            self._hold_reason = cmd.hold
-            self.reporter.report(problem_key('holding', cmd.hold), f'holding: {cmd.hold}')
-        else:
-            self._last_target = cmd.positions[0].copy()
-            self._stats['published'] += 1
-            self._stats['clamped_commands'] += int(cmd.clamped)
-            self._publishes.append(time.monotonic())
+            inputs = {n: RobotInput(r.obs, narrate=r.narrate,
+                                    max_new_tokens=self.cfg.p['max_new_tokens'],
+                                    handover=r.handover)
+                      for n, r in ready.items()}
+
+            def on_actions(name, actions, ready=ready):
+                r = ready[name]
+                by[name].on_actions(r.stamp, r.state, actions)
+
+            try:
+                result = e.step_fleet(inputs, on_actions=on_actions)
+            except Exception as err:  # one bad frame must not end the node
+                if self._stopping():
+                    break
+                for n in ready:
+                    by[n].failed(str(err))
+                continue
+            for n, why in result.errors.items():
+                by[n].failed(why)
+            for n, res in result.results.items():
+                by[n].finished(ready[n], res)
+            for n, events in result.events.items():
+                link = by.get(n)
+                if link is None:
+                    continue
+                unowned = link.asks.deliver(events)
+                if unowned:
+                    link.reporter.report('ask:unowned', 'question events of requests '
+                                         f'{sorted({ev.request_id for ev in unowned})} that '
+                                         'no goal holds: not delivered')
+                try:
+                    link.publish_events(events)
+                except Exception as err:  # publishing fails once ROS is shutting down
+                    if self._stopping():
+                        return
+                    link.reporter.report(problem_key('publish', str(err)),
+                                         f'narration not sent: {err}')
 
     # -- diagnostics -----------------------------------------------------------------------
 
-    def _reset_stats(self):
-        self._stats = dict(chunks=0, frames=0, published=0, hold_ticks=0, missed_ticks=0,
-                           narration_requests=0, holds=0, rtc_delay=0, clamped_commands=0)
-        self._hold_reason = ''
-        self._ticks = collections.deque(maxlen=2000)  # tick times
-        self._gaps = collections.deque(maxlen=2000)
-        self._publishes = collections.deque(maxlen=2000)
-        self._latency = collections.deque(maxlen=500)  # frame stamp -> its chunk, s
-        self._chunk_times = collections.deque(maxlen=500)
-
-    def summary(self) -> dict:
-        """Everything /diagnostics reports, as plain numbers."""
+    def summary(self, link=None) -> dict:
+        """Everything /diagnostics reports (for one robot of a fleet), as plain numbers."""
+        link = link or self.links[0]
         s = dict(self.engine.stats())
-        now = time.monotonic()
-        recent = [x for x in list(self._publishes) if now - x <= 5.0]
-        s['control_publish_hz'] = len(recent) / 5.0
-        gaps = np.array(list(self._gaps) or [0.0])
-        period = 1.0 / self.cfg.p['control_rate_hz']
-        s['tick_jitter_ms_p99'] = float(np.percentile(np.abs(gaps - period), 99) * 1e3)
-        s['tick_gap_ms_max'] = float(gaps.max() * 1e3)
-        # How late chunks come (the part of each chunk already in the past) and how far
-        # apart: together they say whether a chunk lasts until the next.
-        lat = np.array(list(self._latency) or [0.0])
-        s['action_latency_ms_p50'] = float(np.percentile(lat, 50) * 1e3)
-        s['action_latency_ms_p99'] = float(np.percentile(lat, 99) * 1e3)
-        apart = np.diff(list(self._chunk_times)) if len(self._chunk_times) > 1 else [0.0]
-        s['chunk_interval_ms_p99'] = float(np.percentile(apart, 99) * 1e3)
-        s['chunk_ms'] = 1e3 * self.cfg.action_period * self.engine.action_horizon
-        s.update(self._stats)
-        s.update(self.asks.stats())
-        r = self.reporter
-        s['dropped_images'] = r.count('image:')
-        s['dropped_joint_states'] = r.count('joints:')
-        s['future_stamps'] = r.count('future:')
-        s['rejected_prompts'] = r.count('prompt:')
-        s['skipped_frames'] = r.count('frame:')
-        s['masked_cameras'] = r.count('mask:')
-        s['failed_frames'] = r.count('engine:') + r.count('actions:')
-        s['limit_holds'] = r.count('holding:joint limits')
+        if self.fleet:
+            s.update(self.engine.robot_stats(link.name))
+        s.update(link.summary(self.engine.action_horizon))
+        s.update(link.asks.stats())
+        s.update(link.counts())
         return s
 
     def _diagnose(self):
-        from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
-
-        s = self.summary()
-        st = DiagnosticStatus()
-        st.name = f'{self.get_name()}: inference'
-        st.hardware_id = self.cfg.p['device']
-        with self._lock:
-            active = self._active
-        holding = s['control_publish_hz'] < 0.5 * self.cfg.p['control_rate_hz']
-        st.level = DiagnosticStatus.WARN if holding and active else DiagnosticStatus.OK
-        if not active:
-            st.message = 'inactive: not commanding'
-        elif holding:
-            st.message = f'holding: {self._hold_reason or "no fresh actions"}'
-        else:
-            st.message = (f'{s["control_publish_hz"]:.0f} Hz commands, '
-                          f'{s["frame_ms_p50"]:.0f} ms frames')
-        st.values = [KeyValue(key='active', value=str(active))]
-        for k, v in s.items():
-            st.values.append(KeyValue(key=k, value=f'{v:.3f}' if isinstance(v, float) else str(v)))
-        st.values.append(KeyValue(key='last_hold', value=self._hold_reason))
-        if self.reporter.recent:
-            st.values.append(KeyValue(key='last_problem', value=self.reporter.recent[-1]))
         arr = self._msgs['DiagnosticArray']()
         arr.header.stamp = self.get_clock().now().to_msg()
-        arr.status.append(st)
+        arr.status = [self._status(link) for link in self.links]
         try:
             self.diag_pub.publish(arr)
         except Exception:  # shutting down
             pass
+
+    def _status(self, link):
+        from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
+
+        s = self.summary(link)
+        st = DiagnosticStatus()
+        st.name = f'{self.get_name()}: ' + (link.name if self.fleet else 'inference')
+        st.hardware_id = self.cfg.p['device']
+        with link.lock:
+            active = link.active
+        holding, st.message = link.status(s)
+        st.level = DiagnosticStatus.WARN if holding else DiagnosticStatus.OK
+        st.values = [KeyValue(key='active', value=str(active))]
+        for k, v in s.items():
+            st.values.append(KeyValue(key=k, value=f'{v:.3f}' if isinstance(v, float) else str(v)))
+        st.values.append(KeyValue(key='last_hold', value=link.hold_reason))
+        if link.reporter.recent:
+            st.values.append(KeyValue(key='last_problem', value=link.reporter.recent[-1]))
+        return st
 
 
 def _range_note(p) -> str:

@@ -1,0 +1,89 @@
+"""Start one oxygen_node for several robots (and, with sim:=true, a simulated robot each).
+
+    ros2 launch oxygen_ros fleet.launch.py robots:=left,right robot:=sim sim:=true
+
+One node, one engine, one model in memory: `robots` names the robots, each in the
+namespace of its name (its topics are <robot>/..., its ~/ask is /oxygen_node/<robot>/ask),
+and every robot takes config/<robot>.yaml (or params_file) as its robot file. The node's
+parameters come from config/pi05.yaml then that file, as in pi05.launch.py; checkpoint,
+device and autostart override both when given. With sim:=true one oxygen_sim_robot per
+robot runs in the robot's namespace on the same robot file. Robots with files of their own:
+a params file with `robots` and `<robot>.robot_file` given to pi05.launch.py's params_file
+(docs/robots.md, "A fleet").
+"""
+# ruff would file `launch` under this repository's launch/ folder and sort it last.
+import os  # noqa: I001
+import re
+
+from ament_index_python.packages import get_package_share_directory
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import Node
+
+
+def robot_names(text: str) -> list[str]:
+    names = [n for n in re.split(r'[,\s]+', text.strip()) if n]
+    bad = [n for n in names if not re.fullmatch(r'[A-Za-z][A-Za-z0-9_]*', n)]
+    if not names or bad or len(set(names)) != len(names):
+        raise ValueError(f'robots:={text!r} must list distinct plain names, e.g. left,right')
+    return names
+
+
+def nodes(context):
+    arg = {name: LaunchConfiguration(name).perform(context) for name in (
+        'robots', 'robot', 'params_file', 'checkpoint', 'device', 'autostart',
+        'use_sim_time', 'log_level', 'sim')}
+    robots = robot_names(arg['robots'])
+    config = os.path.join(get_package_share_directory('oxygen_ros'), 'config')
+    robot_file = arg['params_file'] or os.path.join(config, f'{arg["robot"]}.yaml')
+    overrides = {'use_sim_time': arg['use_sim_time'].lower() == 'true'}
+    for name in ('checkpoint', 'device'):
+        if arg[name]:
+            overrides[name] = arg[name]
+    if arg['autostart']:
+        if arg['autostart'] not in ('true', 'false'):
+            raise ValueError(f'autostart:={arg["autostart"]} must be true or false')
+        overrides['autostart'] = arg['autostart'] == 'true'
+    fleet = dict(overrides, robots=robots)
+    for r in robots:
+        fleet[f'{r}.robot_file'] = robot_file
+    env = {}
+    if not os.environ.get('FASTRTPS_DEFAULT_PROFILES_FILE'):
+        env['FASTRTPS_DEFAULT_PROFILES_FILE'] = os.path.join(config, 'fastdds.xml')
+    common = dict(output='screen', emulate_tty=True, additional_env=env,
+                  arguments=['--ros-args', '--log-level', arg['log_level']])
+    out = [Node(package='oxygen_ros', executable='oxygen_node', name='oxygen_node',
+                parameters=[os.path.join(config, 'pi05.yaml'), robot_file, fleet], **common)]
+    if arg['sim'].lower() == 'true':
+        out += [Node(package='oxygen_ros', executable='oxygen_sim_robot',
+                     name='oxygen_sim_robot', namespace=r,
+                     parameters=[robot_file, overrides], **common) for r in robots]
+    return out
+
+
+def generate_launch_description():
+    return LaunchDescription([
+        DeclareLaunchArgument('robots', default_value='left,right',
+                              description='robot names, comma separated; each one a namespace'),
+        DeclareLaunchArgument('robot', default_value='sim',
+                              description='aloha, droid or sim: config/<robot>.yaml is every '
+                              "robot's robot file"),
+        DeclareLaunchArgument('params_file', default_value='',
+                              description='robot parameters file instead of config/<robot>.yaml'),
+        DeclareLaunchArgument('checkpoint', default_value='',
+                              description="checkpoint directory; '' keeps the files' value"),
+        DeclareLaunchArgument('device', default_value='',
+                              description="cpu or cuda; '' keeps the files' value"),
+        DeclareLaunchArgument('autostart', default_value='',
+                              description="true: configure and activate at once; false: wait "
+                              "for lifecycle transitions; '' keeps the files' value"),
+        DeclareLaunchArgument('use_sim_time', default_value='false',
+                              description='follow /clock'),
+        DeclareLaunchArgument('log_level', default_value='info',
+                              description='debug, info, warn, error'),
+        DeclareLaunchArgument('sim', default_value='false',
+                              description='also start one oxygen_sim_robot per robot, in its '
+                              'namespace'),
+        OpaqueFunction(function=nodes),
+    ])

@@ -1,0 +1,702 @@
+"""One robot's side of the node: its topics, its latest samples, its control loop.
+
+A link owns what is per robot: the subscriptions to its cameras and joint states and their
+latest samples (frames.Assembler), the observation built from them, its Player and the
+control thread (or, under use_sim_time, a timer on the node's clock) asking it what to
+publish, its holds, its trajectory, narration and ~/predicted_trajectory publishers and its
+part of the diagnostics. The node owns the lifecycle, the parameters, the engine thread and
+the ~/ask servers, and hands each link the rclpy node to create its entities on; nothing
+here imports the node.
+
+A link's topics are the robot file's, under `prefix` (a robot's namespace in a fleet; ''
+for the node's one robot) and its private topics (~/prompt, ~/narrate, ~/narration,
+~/predicted_trajectory) under `private` ('~' for the one robot, '~/<robot>' in a fleet).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from rclpy.callback_groups import CallbackGroup
+
+from oxygen_ros.contract import Config, prompt_problem
+from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_rgb
+from oxygen_ros.limits import describe as describe_limits
+from oxygen_ros.playback import Command, Player, make_chunk
+
+
+def problem_key(kind: str, text: str) -> str:
+    # Numbers (ages, counts) change every time; the kind of problem does not.
+    return kind + ':' + re.sub(r'[-\d.]+', '#', text)
+
+
+def seconds(stamp) -> float:
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+def duration(dt: float):
+    from builtin_interfaces.msg import Duration
+
+    ns = max(1, int(dt * 1e9))
+    return Duration(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+
+
+class Polled(CallbackGroup):
+    """Subscriptions the node's own threads take from (see take()); no executor runs them."""
+
+    def can_execute(self, entity) -> bool:
+        return False
+
+    def beginning_execution(self, entity) -> bool:
+        return False
+
+    def ending_execution(self, entity) -> None:
+        pass
+
+
+def take(sub) -> int:
+    """Run the callback of `sub` on every message waiting, oldest first; returns how many."""
+    n = 0
+    while True:
+        with sub.handle:
+            got = sub.handle.take_message(sub.msg_type, sub.raw)
+        if got is None:
+            return n
+        sub.callback(got[0])
+        n += 1
+
+
+def qos(choice: str, depth: int):
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+    # sensor_data is best effort, like rclpy's qos_profile_sensor_data.
+    rel = ReliabilityPolicy.RELIABLE if choice == 'reliable' else ReliabilityPolicy.BEST_EFFORT
+    return QoSProfile(depth=depth, reliability=rel)
+
+
+def join(prefix: str, name: str) -> str:
+    """A robot file's topic under a robot's prefix; absolute and private names stay."""
+    if not prefix or name.startswith(('/', '~')):
+        return name
+    return f'{prefix.rstrip("/")}/{name}'
+
+
+@dataclass
+class Ready:
+    """What a link brings to a frame: the observation and what its chunk needs."""
+
+    obs: object  # engine.Observation
+    state: np.ndarray  # the robot-convention state the actions are decoded against
+    stamp: float
+    narrate: bool
+    handover: object  # engine.Handover or None
+
+
+class RobotLink:
+    """``node``: the rclpy node whose entities, clock and logger the link uses; ``cfg`` the
+    robot's checked Config; ``name`` '' for the node's one robot."""
+
+    def __init__(self, node, cfg: Config, name: str = '', prefix: str = '',
+                 private: str = '~', reporter: Reporter | None = None):
+        self.node = node
+        self.cfg = cfg
+        self.name = name
+        self.prefix = prefix
+        self.private = private
+        self.log = node.get_logger()
+        if reporter is None:
+            # In a fleet every problem says whose it is.
+            reporter = Reporter(lambda m: self.log.warning(self.label() + m))
+        self.reporter = reporter
+        self.reporter.period = cfg.p['report_period']
+        self.lock = threading.Lock()
+        self._tick_lock = threading.Lock()
+        self._stop = threading.Event()  # ends the control thread
+        self.active = False  # chunks from the engine are played only while True
+        self._thread = None
+        self._timer = None  # control under use_sim_time
+        self._ros: list = []
+        self.player = None
+        self.predicted_pub = None
+        self.prompt = cfg.p['prompt']
+        self.narrate_now = False
+        self.frames = 0  # frames assembled, for narration_every_n_frames
+        self.reset_stats()
+
+    def label(self) -> str:
+        return f'robot {self.name}: ' if self.name else ''
+
+    # -- configure -------------------------------------------------------------------------
+
+    def configure(self):
+        """Create the player, the readings and the robot's topics (the engine is checked)."""
+        cfg = self.cfg
+        self.prompt = cfg.p['prompt']
+        self.narrate_now = False
+        self.frames = 0
+        self.assembler = cfg.assembler()
+        self.player = Player(cfg.p['max_command_horizon'], cfg.p['play_steps'],
+                             hold_after=1.0 / cfg.p['control_rate_hz'], limits=cfg.limits)
+        # Each source's state joints, and the controllers' joints for a hold at measured
+        # positions.
+        self._readings = {s: JointReadings(w, [j for src, j in cfg.hold_sources.values()
+                                               if src == s])
+                          for s, w in cfg.wanted.items()}
+        self._last_target = np.full(cfg.profile.action_dim, np.nan)
+        self._setup_ros()
+
+    def _setup_ros(self):
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+        from sensor_msgs.msg import Image, JointState
+        from std_msgs.msg import Empty, String
+        from trajectory_msgs.msg import JointTrajectory
+
+        from oxygen_ros.msg import Narration
+
+        node, cfg, pre = self.node, self.cfg, self.prefix
+        priv = self.private
+        sub = node.create_subscription
+        polled = Polled()
+        # Only the newest image of a camera is ever used; joint states are taken every
+        # control tick, and 50 deep holds 0.1 s of a 500 Hz stream should a tick run late.
+        self.image_subs = [sub(Image, join(pre, topic), lambda m, c=cam: self._on_image(c, m),
+                               qos(cfg.p['image_qos'], 1), callback_group=polled)
+                           for cam, topic in cfg.cameras.items()]
+        self._joint_subs = [sub(JointState, join(pre, topic),
+                                lambda m, s=src: self._on_joints(s, m),
+                                qos(cfg.p['joint_qos'], 50), callback_group=polled)
+                            for src, topic in cfg.joint_topics.items()]
+        self._ros = [*self.image_subs, *self._joint_subs,
+                     sub(String, f'{priv}/prompt', self._on_prompt, 10),
+                     sub(Empty, f'{priv}/narrate', self._on_narrate, 10)]
+        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        self.traj_pubs = {g.name: node.create_publisher(JointTrajectory, join(pre, g.topic),
+                                                        reliable)
+                          for g in cfg.groups}
+        deep = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
+        self.narration_pub = node.create_publisher(Narration, f'{priv}/narration', deep)
+        self.text_pub = node.create_publisher(String, f'{priv}/narration/text', deep)
+        self.predicted_pub = (node.create_publisher(JointTrajectory,
+                                                    f'{priv}/predicted_trajectory', reliable)
+                              if cfg.p['publish_predicted'] else None)
+        self._ros += [*self.traj_pubs.values(), self.narration_pub, self.text_pub,
+                      *([self.predicted_pub] if self.predicted_pub else [])]
+        self._msgs = dict(JointTrajectory=JointTrajectory, Narration=Narration, String=String)
+        name = node.resolve_topic_name
+        self.log.info(
+            f'{self.label()}{cfg.p["robot"]} robot, model {cfg.p["model"]}: cameras '
+            + ', '.join(f'{c} <- {name(join(pre, t))}' for c, t in cfg.cameras.items())
+            + '; joints <- ' + ', '.join(name(join(pre, t)) for t in cfg.joint_topics.values())
+            + '; trajectories -> ' + ', '.join(name(join(pre, g.topic)) for g in cfg.groups)
+            + f'; control {cfg.p["control_rate_hz"]:g} Hz, actions every '
+            f'{cfg.action_period * 1e3:.1f} ms, commands reach at most '
+            f'{cfg.p["max_command_horizon"]:g} s ahead; '
+            + describe_limits(cfg.limits, [f'{g.name}/{j}' for g in cfg.groups for j in g.joints]))
+
+    def topics(self) -> list[str]:
+        return [self.node.resolve_topic_name(join(self.prefix, g.topic)) for g in self.cfg.groups]
+
+    def entities(self) -> list:
+        """Its subscriptions and publishers, for the node to destroy; forgets them."""
+        out, self._ros = self._ros, []
+        self.predicted_pub = None
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def activate(self):
+        with self.lock:
+            self.active = True
+
+    def start(self, sim_time: bool):
+        """The control loop: a thread to absolute deadlines, or a timer on the node's clock
+        under simulated time (so it follows /clock and stops while the simulation pauses)."""
+        self._stop.clear()
+        self._checked = 0.0
+        # What came while inactive, so the first frame is not judged on old readings.
+        for sub in self._joint_subs:
+            take(sub)
+        if sim_time:
+            from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+
+            self._tick_clock = self.now
+            self._timer = self.node.create_timer(
+                1.0 / self.cfg.p['control_rate_hz'], self.tick,
+                callback_group=MutuallyExclusiveCallbackGroup())
+        else:
+            self._tick_clock = time.monotonic
+            self._thread = threading.Thread(target=self._control, name='control', daemon=True)
+            self._thread.start()
+
+    def deactivate(self, why: str) -> bool:
+        """Stop playing chunks and publish the hold now; True when it was active."""
+        with self.lock:
+            was_active = self.active
+            self.active = False
+        if was_active:
+            self.stop_commanding(why)
+            self.tick()  # publish the hold now, not at the next control period
+        return was_active
+
+    def stop(self):
+        """End the control loop."""
+        self._stop.set()
+        if self._timer is not None:
+            self.node.destroy_timer(self._timer)
+            self._timer = None
+        if self._thread is not None:
+            self._thread.join(10.0)
+            if self._thread.is_alive():
+                self.log.error(f'{self.label()}control thread still busy after 10 s; '
+                               'leaving it')
+            self._thread = None
+
+    def stop_commanding(self, why: str):
+        if self.player is not None:
+            self.player.stop(why)  # the next tick publishes the hold and says why
+
+    def stopping(self) -> bool:
+        return self._stop.is_set() or not self.node.context.ok()
+
+    # -- inputs: validate cheaply, keep the latest, nothing else ---------------------------
+
+    def now(self) -> float:
+        return self.node.get_clock().now().nanoseconds * 1e-9
+
+    def _stamp(self, header, what: str) -> float | None:
+        """The time a sample describes, or None (reported) when it lies in the future."""
+        now = self.now()
+        t = seconds(header.stamp)
+        if t <= 0:
+            # Some drivers leave the stamp at zero; the arrival time is the best guess then.
+            return now
+        ahead = t - now
+        if ahead > self.cfg.p['max_future_stamp']:
+            self.reporter.report(f'future:{what}', f'{what}: stamp {ahead * 1e3:.0f} ms in the '
+                                 f'future (limit {self.cfg.p["max_future_stamp"] * 1e3:.0f} ms); '
+                                 'message dropped: the sender and this node must share a clock')
+            return None
+        return t
+
+    def _on_image(self, cam: str, msg):
+        why = image_problem(msg)
+        if why:
+            self.reporter.report(problem_key(f'image:{cam}', why),
+                                 f'camera {cam}: {why}; image dropped, the last good one is kept')
+            return
+        t = self._stamp(msg.header, f'camera {cam}')
+        if t is None:
+            return
+        self.assembler.put(cam, msg, t)
+
+    def _on_joints(self, src: str, msg):
+        topic = self.cfg.joint_topics[src]
+        names, positions = msg.name, msg.position
+        if len(names) != len(positions):
+            self.reporter.report(f'joints:{src}:lengths',
+                                 f'{topic}: {len(names)} names but {len(positions)} '
+                                 'positions; message dropped')
+            return
+        readings = self._readings[src]
+        got = {n: x for n, x in zip(names, positions, strict=True) if n in readings.keep}
+        bad = sorted(n for n, x in got.items() if not math.isfinite(x))
+        if bad:
+            self.reporter.report(f'joints:{src}:nonfinite:{bad}',
+                                 f'{topic}: joints {", ".join(bad)} read NaN/inf; message '
+                                 'dropped, the last good readings are kept')
+            return
+        if readings.wanted.isdisjoint(got):
+            self.reporter.report(f'joints:{src}:unknown',
+                                 f'{topic}: none of the joints {list(names)} are used; '
+                                 f'expected {sorted(readings.wanted)}')
+            return
+        t = self._stamp(msg.header, topic)
+        if t is None:
+            return
+        merged, oldest = readings.update(got, t)
+        limit = self.cfg.p['max_input_age']
+        if t - oldest > limit:
+            self.reporter.report(f'joints:{src}:dropped', f'{topic}: joints '
+                                 f'{", ".join(readings.gone(t, limit))} missing from its '
+                                 f'messages for {(t - oldest) * 1e3:.0f} ms (limit '
+                                 f'{limit * 1e3:.0f} ms): stale')
+        self.assembler.put(f'joints:{src}', merged, oldest)
+
+    def set_prompt(self, text: str):
+        with self.lock:
+            self.prompt = text.strip()
+            self.narrate_now = True
+
+    def _on_prompt(self, msg):
+        why = prompt_problem(msg.data, self.cfg.p['max_prompt_chars'])
+        if why:
+            self.reporter.report(f'prompt:{why[:12]}', f'{self.private}/prompt: {why}; '
+                                 f'keeping {self.prompt!r}')
+            return
+        self.set_prompt(msg.data)
+        self.log.info(f'{self.label()}task prompt: {self.prompt!r}')
+
+    def _on_narrate(self, _msg):
+        with self.lock:
+            self.narrate_now = True
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def poll(self, slots) -> tuple[Ready | None, float]:
+        """Take the newest images and, when a frame can start, what it needs; otherwise
+        None and how long to wait before asking again (stale or missing inputs hold the
+        robot and are reported). ``slots``: the engine's image slots."""
+        for sub in self.image_subs:
+            take(sub)
+        now = self.now()
+        # Staleness is checked every 50 ms even when nothing new came.
+        if not self.assembler.fresh() and time.monotonic() - self._checked < 0.05:
+            return None, 0.002
+        self._checked = time.monotonic()
+        frame, why = self.assembler.ready(now)
+        if frame is None:
+            if why.startswith('no new input'):
+                return None, 0.002
+            self.reporter.report(problem_key('frame', why), f'no frame: {why}')
+            if 'stale' in why or 'missing' in why:
+                self.stop_commanding(f'inputs: {why}')
+                # Until something comes back, checking every 50 ms is enough.
+                return None, 0.05
+            return None, 0.0
+        try:
+            obs, state = self._observation(frame, slots)
+        except ValueError as e:
+            self.reporter.report(problem_key('frame', str(e)), f'no frame: {e}')
+            return None, 0.0
+        for note in frame.notes:
+            self.reporter.report(problem_key('mask', note), f'camera {note} (masked)')
+        self.frames += 1
+        every = self.cfg.p['narration_every_n_frames']
+        with self.lock:
+            narrate = self.narrate_now or (every > 0 and self.frames % every == 1 % every)
+            self.narrate_now = False
+        # A stamp within max_future_stamp ahead must not shift the chunk into the future.
+        stamp = min(frame.stamp, now)
+        handover = self._handover(stamp, state) if self.cfg.p['rtc'] else None
+        return Ready(obs, state, stamp, narrate, handover), 0.0
+
+    def _handover(self, stamp: float, state: np.ndarray):
+        """Where this frame's chunk joins the chunk being played (real-time chunking): its
+        first action is action `start` of that chunk, and `delay` actions will have run by
+        the time it is out (the slowest of the last frames, unless rtc_delay says)."""
+        from oxygen_ros.engine import Handover
+
+        chunk = self.player.chunk
+        if chunk is None or chunk.actions is None:
+            return None
+        start = int(round((stamp - chunk.stamp) / chunk.period))
+        if start < 0:
+            return None
+        delay = self.cfg.p['rtc_delay']
+        if not delay:
+            recent = list(self._latency)[-10:]
+            delay = math.ceil(max(recent) / chunk.period) if recent else 0
+        self._stats['rtc_delay'] = delay
+        # The same motion in this frame's terms (delta actions are relative to the state).
+        previous = self.cfg.profile.rebase(chunk.actions, chunk.state, state)
+        return Handover(start, delay, previous)
+
+    def _observation(self, frame, slots):
+        from oxygen_ros.engine import Observation
+
+        images = {slot: None for slot in slots}
+        for cam, slot in self.cfg.slots.items():
+            msg = frame.values.get(cam)
+            if msg is not None:
+                try:
+                    images[slot] = image_to_rgb(msg)
+                except ValueError as e:
+                    raise ValueError(f'camera {cam}: {e}') from None
+        # The readings held with the frame's images, not the newest ones.
+        readings = {s: frame.values[f'joints:{s}'] for s in self.cfg.joint_topics}
+        with self.lock:
+            prompt = self.prompt
+        state = self.cfg.joint_map.vector(readings)
+        model_state = np.asarray(self.cfg.profile.encode_state(state), dtype=np.float32)
+        return Observation(stamp=frame.stamp, images=images, state=model_state,
+                           prompt=prompt), state
+
+    def failed(self, why: str):
+        """A frame of this robot failed in the engine: it holds."""
+        self.reporter.report(problem_key('engine', why), f'frame failed: {why}')
+        self.stop_commanding(f'model failure: {why}')
+
+    def times(self, now: float):
+        """What the fleet's planner needs of this robot: when its chunk runs out, and the
+        stamp of a new observation (None: none since its last frame, or stale inputs)."""
+        from oxygen_ros.engine.fleet import RobotTimes
+
+        for sub in self.image_subs:
+            take(sub)
+        chunk = self.player.chunk if self.player is not None else None
+        runs_out = None
+        if chunk is not None:
+            n = len(chunk.positions)
+            if self.player.play_steps:
+                n = min(n, self.player.play_steps)
+            runs_out = chunk.stamp + n * chunk.period
+        stamp = None
+        a = self.assembler
+        if a.fresh() and self.stale(now) is None:
+            got = [a.latest(n) for n in a.trigger]
+            stamps = [x.stamp for x in got if x is not None]
+            stamp = max(stamps) if stamps else None
+        return RobotTimes(runs_out, stamp)
+
+    def stale(self, now: float) -> str | None:
+        """Which required inputs are stale or missing now (Assembler's words), or None."""
+        limit = self.cfg.p['max_input_age']
+        problems = []
+        for name in self.assembler.required:
+            s = self.assembler.latest(name)
+            if s is None:
+                problems.append(f'{name} missing (nothing received yet)')
+            elif now - s.stamp > limit:
+                problems.append(f'{name} stale ({(now - s.stamp) * 1e3:.0f} ms old, limit '
+                                f'{limit * 1e3:.0f} ms)')
+        return '; '.join(problems) or None
+
+    def check(self, now: float):
+        """Between this robot's frames (a fleet's other robots run): stale or missing
+        inputs hold it, as they do when a frame of its own is sought; every 50 ms."""
+        if time.monotonic() - self._checked < 0.05:
+            return
+        self._checked = time.monotonic()
+        why = self.stale(now)
+        if why:
+            self.reporter.report(problem_key('frame', why), f'no frame: {why}')
+            self.stop_commanding(f'inputs: {why}')
+
+    def on_actions(self, stamp: float, state: np.ndarray, actions: np.ndarray):
+        profile = self.cfg.profile
+        try:
+            targets = profile.decode_actions(actions, state)
+        except ValueError as e:
+            self.reporter.report(problem_key('actions', str(e)), f'actions not usable: {e}')
+            self.stop_commanding(f'model failure: {e}')
+            return
+        if not np.all(np.isfinite(targets)):
+            self.reporter.report('actions:nonfinite', 'model produced NaN/inf actions; '
+                                 'not commanding this chunk')
+            self.stop_commanding('model failure: NaN/inf actions')
+            return
+        # A profile whose targets are relative to where the robot is (DROID's velocities)
+        # re-anchors the chunk on the state measured as each action step starts.
+        reanchor = None
+        if profile.reanchors:
+            def reanchor(first, measured, a=actions):
+                return profile.reanchor(a, measured=measured, first=first)
+        chunk = make_chunk(stamp, self.cfg.action_period, targets, actions, state, reanchor)
+        with self.lock:
+            if self.active:
+                self.player.play(chunk)
+        self._stats['chunks'] += 1
+        self._latency.append(self.now() - stamp)
+        self._chunk_times.append(time.monotonic())
+        if self.predicted_pub is not None:
+            self._publish_predicted(chunk)
+
+    def finished(self, ready: Ready, result) -> None:
+        """A frame of this robot ended (its chunk already went to on_actions): count it,
+        report a refused narration, publish its narration events."""
+        self._stats['frames'] += 1
+        self._stats['narration_requests'] += int(ready.narrate)
+        if result.rejected:
+            self.reporter.report('narration:rejected', result.rejected)
+
+    def _publish_predicted(self, chunk):
+        from trajectory_msgs.msg import JointTrajectoryPoint
+
+        msg = self._msgs['JointTrajectory']()
+        msg.header.stamp.sec = int(chunk.stamp)
+        msg.header.stamp.nanosec = int((chunk.stamp - int(chunk.stamp)) * 1e9) % 1_000_000_000
+        idx = [i for g in self.cfg.groups for i in g.indices]
+        # Group-qualified names: ALOHA's two arms share joint names.
+        msg.joint_names = [f'{g.name}/{j}' for g in self.cfg.groups for j in g.joints]
+        for i, (p, v) in enumerate(zip(chunk.positions[:, idx], chunk.velocities[:, idx],
+                                       strict=True)):
+            msg.points.append(JointTrajectoryPoint(positions=p.tolist(), velocities=v.tolist(),
+                                                   time_from_start=duration(i * chunk.period)))
+        self.predicted_pub.publish(msg)
+
+    def publish_events(self, events):
+        Narration, String = self._msgs['Narration'], self._msgs['String']
+        for e in events:
+            if e.kind != 'narration':
+                continue  # questions are answered through ~/ask
+            m = Narration()
+            m.header.stamp.sec = int(e.stamp)
+            m.header.stamp.nanosec = int(round((e.stamp - int(e.stamp)) * 1e9)) % 1_000_000_000
+            m.request_id = int(e.request_id)
+            m.delta, m.text, m.tokens, m.done = e.delta, e.text, int(e.tokens), bool(e.done)
+            self.narration_pub.publish(m)
+            if e.done:
+                if e.cancelled:
+                    self.reporter.report('narration:dropped', f'narration request '
+                                         f'{e.request_id}: {e.message}')
+                else:
+                    self.text_pub.publish(String(data=e.text))
+
+    # -- control ---------------------------------------------------------------------------
+
+    def _control(self):
+        period = 1.0 / self.cfg.p['control_rate_hz']
+        deadline = time.monotonic()
+        while not self.stopping():
+            deadline += period
+            delay = deadline - time.monotonic()
+            if delay > 0:
+                if self._stop.wait(delay):
+                    break
+            else:
+                # Late by a period or more: skip the lost ticks instead of bursting to catch up.
+                deadline += (-delay // period) * period
+            self.tick()
+
+    def _measured(self) -> np.ndarray | None:
+        readings = {s: r.values() for s, r in self._readings.items()}
+        try:
+            return self.cfg.joint_map.vector(readings)
+        except ValueError:
+            return None
+
+    def _hold_at(self) -> np.ndarray:
+        """Per action index, the last measured position of the joint it drives; where the
+        controller's joint is not measured, the last commanded position."""
+        out = self._last_target.copy()
+        for i, (src, joint) in self.cfg.hold_sources.items():
+            x = self._readings[src].get(joint)
+            if x is not None:
+                out[i] = x
+            else:
+                self.reporter.report(f'hold:unmeasured:{src}/{joint}', f'no measured position '
+                                     f'of {joint} on {self.cfg.joint_topics[src]}: the last '
+                                     'command stands in for it')
+        return out
+
+    def tick(self):
+        with self._tick_lock:
+            for sub in self._joint_subs:
+                take(sub)
+            t = self._tick_clock()
+            period = 1.0 / self.cfg.p['control_rate_hz']
+            if self._ticks:
+                gap = t - self._ticks[-1]
+                self._gaps.append(gap)
+                if gap > 1.5 * period:
+                    self._stats['missed_ticks'] += int(round(gap / period)) - 1
+            self._ticks.append(t)
+            try:
+                cmd = self.player.tick(self.now(), self._measured, self._hold_at)
+            except ValueError as e:
+                self.reporter.report(problem_key('playback', str(e)), f'playback failed: {e}')
+                self.stop_commanding(f'playback failure: {e}')
+                return
+            if cmd is None:
+                with self.lock:
+                    if self.active:
+                        self._stats['hold_ticks'] += 1
+                return
+            for f in cmd.findings:
+                self.reporter.report(f'limits:{f.kind}:{f.joint}', f.text)
+            try:
+                self._publish(cmd)
+            except Exception as e:  # publishing fails once ROS is shutting down
+                if not self.stopping():
+                    self.reporter.report(problem_key('publish', str(e)),
+                                         f'trajectory not sent: {e}')
+
+    def _publish(self, cmd: Command):
+        from trajectory_msgs.msg import JointTrajectoryPoint
+
+        JointTrajectory = self._msgs['JointTrajectory']
+        durations = [duration(dt) for dt in cmd.times]
+        for g in self.cfg.groups:
+            pos = cmd.positions[:, g.indices]
+            if not np.all(np.isfinite(pos)):
+                self.reporter.report(f'hold:none:{g.name}', f'cannot hold {g.name}: no '
+                                     'measured or commanded position yet')
+                continue
+            vel = cmd.velocities[:, g.indices]
+            msg = JointTrajectory()
+            # header.stamp stays zero: the controller starts the trajectory on arrival.
+            msg.joint_names = list(g.joints)
+            msg.points = [JointTrajectoryPoint(positions=p.tolist(), velocities=v.tolist(),
+                                               time_from_start=d)
+                          for p, v, d in zip(pos, vel, durations, strict=True)]
+            self.traj_pubs[g.name].publish(msg)
+        if cmd.hold:
+            self._stats['holds'] += 1
+            self.hold_reason = cmd.hold
+            self.reporter.report(problem_key('holding', cmd.hold), f'holding: {cmd.hold}')
+        else:
+            self._last_target = cmd.positions[0].copy()
+            self._stats['published'] += 1
+            self._stats['clamped_commands'] += int(cmd.clamped)
+            self._publishes.append(time.monotonic())
+
+    # -- diagnostics -----------------------------------------------------------------------
+
+    def reset_stats(self):
+        self._stats = dict(chunks=0, frames=0, published=0, hold_ticks=0, missed_ticks=0,
+                           narration_requests=0, holds=0, rtc_delay=0, clamped_commands=0)
+        self.hold_reason = ''
+        self._checked = 0.0
+        self._ticks = collections.deque(maxlen=2000)  # tick times
+        self._gaps = collections.deque(maxlen=2000)
+        self._publishes = collections.deque(maxlen=2000)
+        self._latency = collections.deque(maxlen=500)  # frame stamp -> its chunk, s
+        self._chunk_times = collections.deque(maxlen=500)
+
+    def summary(self, action_horizon: int) -> dict:
+        """This robot's part of /diagnostics, as plain numbers."""
+        s = {}
+        now = time.monotonic()
+        recent = [x for x in list(self._publishes) if now - x <= 5.0]
+        s['control_publish_hz'] = len(recent) / 5.0
+        gaps = np.array(list(self._gaps) or [0.0])
+        period = 1.0 / self.cfg.p['control_rate_hz']
+        s['tick_jitter_ms_p99'] = float(np.percentile(np.abs(gaps - period), 99) * 1e3)
+        s['tick_gap_ms_max'] = float(gaps.max() * 1e3)
+        # How late chunks come (the part of each chunk already in the past) and how far
+        # apart: together they say whether a chunk lasts until the next.
+        lat = np.array(list(self._latency) or [0.0])
+        s['action_latency_ms_p50'] = float(np.percentile(lat, 50) * 1e3)
+        s['action_latency_ms_p99'] = float(np.percentile(lat, 99) * 1e3)
+        apart = np.diff(list(self._chunk_times)) if len(self._chunk_times) > 1 else [0.0]
+        s['chunk_interval_ms_p99'] = float(np.percentile(apart, 99) * 1e3)
+        s['chunk_ms'] = 1e3 * self.cfg.action_period * action_horizon
+        s.update(self._stats)
+        return s
+
+    def counts(self) -> dict:
+        """The problems this robot's reporter counted, for /diagnostics."""
+        r = self.reporter
+        return dict(dropped_images=r.count('image:'), dropped_joint_states=r.count('joints:'),
+                    future_stamps=r.count('future:'), rejected_prompts=r.count('prompt:'),
+                    skipped_frames=r.count('frame:'), masked_cameras=r.count('mask:'),
+                    failed_frames=r.count('engine:') + r.count('actions:'),
+                    limit_holds=r.count('holding:joint limits'))
+
+    def status(self, s: dict) -> tuple[bool, str]:
+        """(holding, message) for this robot's DiagnosticStatus, from its summary ``s``."""
+        with self.lock:
+            active = self.active
+        holding = s['control_publish_hz'] < 0.5 * self.cfg.p['control_rate_hz']
+        if not active:
+            return False, 'inactive: not commanding'
+        if holding:
+            return True, f'holding: {self.hold_reason or "no fresh actions"}'
+        return False, (f'{s["control_publish_hz"]:.0f} Hz commands, '
+                       f'{s["frame_ms_p50"]:.0f} ms frames')
