@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -219,12 +220,15 @@ def test_the_oxygen_ask_command_prints_the_answer(asker, domain):
 
 def test_the_oxygen_ask_command_cancels_on_ctrl_c(asker, domain):
     exe = pathlib.Path(ament.get_package_prefix('oxygen_ros')) / 'lib' / 'oxygen_ros' / 'oxygen_ask'
-    seen = len(asker.wire)
     proc = subprocess.Popen([sys.executable, str(exe), 'tell me everything'],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=node_env(domain))
-    assert wait_for(lambda: any(f.tokens > 2 for f in asker.wire[seen:]), 60), \
-        asker.log()[-3000:]
+    # Interrupted as soon as the command itself prints the answer's first piece: judged by
+    # what this process receives, a loaded machine let the 40-token answer finish first.
+    first = []
+    reader = threading.Thread(target=lambda: first.append(proc.stdout.read(1)), daemon=True)
+    reader.start()
+    assert wait_for(lambda: bool(first), 60) and first[0], asker.log()[-3000:]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, err
