@@ -11,12 +11,15 @@ cancelled, 2 when no action server answered. Ctrl-C cancels the question.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import time
 
 
 def main(argv=None) -> int:
     import rclpy
     from rclpy.action import ActionClient
+    from rclpy.executors import SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
 
     from oxygen_ros.action import Ask
@@ -35,12 +38,27 @@ def main(argv=None) -> int:
     if not 0 <= opts.max_new_tokens < 2**32:
         p.error('--max-new-tokens must be >= 0')
 
-    # Ctrl-C as a plain KeyboardInterrupt, so the context is still up to send the cancel.
+    # Ctrl-C only sets a flag that the waits below look at: a KeyboardInterrupt raised inside
+    # rclpy (while an executor is being made, say) leaves it half-built and prints tracebacks
+    # at exit. The context stays up to send the cancel.
     rclpy.init(args=['oxygen_ask', *argv], signal_handler_options=SignalHandlerOptions.NO)
+    interrupts = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: interrupts.append(signum))
     node = rclpy.create_node('oxygen_ask')
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
     name = f'{opts.node.rstrip("/")}/ask'
     client = ActionClient(node, Ask, name)
     shown = []
+
+    def wait(future, timeout=None, until_interrupts=1):
+        """Spin until `future` is done, `timeout` s have passed or Ctrl-C was pressed
+        `until_interrupts` times in all."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not future.done() and len(interrupts) < until_interrupts:
+            if end is not None and time.monotonic() >= end:
+                return
+            executor.spin_once(timeout_sec=0.05)
 
     def show(text: str) -> None:
         sys.stdout.write(text)
@@ -55,34 +73,35 @@ def main(argv=None) -> int:
             show(fb.text[len(have):])
 
     try:
-        if not client.wait_for_server(timeout_sec=opts.wait):
+        end = time.monotonic() + opts.wait
+        while not client.server_is_ready() and time.monotonic() < end and not interrupts:
+            executor.spin_once(timeout_sec=0.05)
+        if interrupts:
+            print('oxygen_ask: interrupted', file=sys.stderr)
+            return 1
+        if not client.server_is_ready():
             print(f'oxygen_ask: no action server {name} (is oxygen_node running and active?)',
                   file=sys.stderr)
             return 2
         goal = Ask.Goal(question=opts.question, max_new_tokens=opts.max_new_tokens,
                         prompt_format=opts.prompt_format)
         sent = client.send_goal_async(goal, feedback_callback=on_feedback)
-        interrupted = False
-        try:
-            rclpy.spin_until_future_complete(node, sent, timeout_sec=opts.wait)
-        except KeyboardInterrupt:
-            # Ctrl-C before the acceptance arrived: the goal may already run on the node, so
-            # its handle is still awaited, to cancel it.
-            interrupted = True
-            rclpy.spin_until_future_complete(node, sent, timeout_sec=opts.wait)
-        handle = sent.result()
+        # A Ctrl-C before the acceptance arrives does not stop this wait: the goal may already
+        # run on the node, and its handle is needed to cancel it.
+        wait(sent, opts.wait, until_interrupts=2)
+        handle = sent.result() if sent.done() else None
+        if handle is None and len(interrupts) > 1:
+            print('oxygen_ask: interrupted before the goal was accepted', file=sys.stderr)
+            return 1
         if handle is None or not handle.accepted:
             print(f'oxygen_ask: {name} did not accept the goal', file=sys.stderr)
-            return 1 if interrupted else 2
+            return 1 if interrupts else 2
         done = handle.get_result_async()
-        if not interrupted:
-            try:
-                rclpy.spin_until_future_complete(node, done)
-            except KeyboardInterrupt:
-                interrupted = True
-        if interrupted:
+        wait(done)
+        if interrupts and not done.done():
             handle.cancel_goal_async()
-            rclpy.spin_until_future_complete(node, done, timeout_sec=opts.wait)
+            # A second Ctrl-C stops waiting for the cancelled goal's result.
+            wait(done, opts.wait, until_interrupts=2)
         if not done.done():
             print('oxygen_ask: no result', file=sys.stderr)
             return 1
@@ -95,12 +114,9 @@ def main(argv=None) -> int:
               f'{r.tokens} tokens, {r.reason}]' + (f' {r.message}' if r.message else ''),
               file=sys.stderr)
         return 0 if r.reason in (Ask.Result.DONE, Ask.Result.BUDGET) else 1
-    except KeyboardInterrupt:
-        # A second Ctrl-C while the cancel is awaited (or one before anything was sent).
-        print('oxygen_ask: interrupted; the answer was not awaited', file=sys.stderr)
-        return 1
     finally:
         client.destroy()
+        executor.shutdown(timeout_sec=1.0)
         node.destroy_node()
         rclpy.try_shutdown()
 

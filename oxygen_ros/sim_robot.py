@@ -22,6 +22,7 @@ from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory
@@ -245,29 +246,29 @@ def _encode(rgb: np.ndarray, encoding: str) -> np.ndarray:
 
 
 def main(args=None):
-    rclpy.init(args=args)
+    # Signals only set a flag, as in oxygen_node: a KeyboardInterrupt raised inside rclpy
+    # (ros2 launch signals the whole group, sometimes twice) surfaced as a RuntimeError from
+    # a message being taken and killed the process instead of stopping it.
+    signals = []
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
+    signal.signal(signal.SIGINT, lambda signum, _frame: signals.append(signum))
+    signal.signal(signal.SIGTERM, lambda signum, _frame: signals.append(signum))
     node = None
     try:
         node = SimRobot()
         executor = SingleThreadedExecutor()
         executor.add_node(node)
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
+        while not signals and rclpy.ok():
+            executor.spin_once(timeout_sec=0.1)
+    except ExternalShutdownException:
         pass
     except ValueError as e:
         print(f'[oxygen_sim_robot] error: {e}', file=sys.stderr, flush=True)
         sys.exit(1)
-    except Exception:
-        if rclpy.ok():  # else: a signal shut the context down under the executor
-            raise
     finally:
-        # A second Ctrl-C (ros2 launch signals the whole group) must not kill the shutdown.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()
-
 
 if __name__ == '__main__':
     main()
