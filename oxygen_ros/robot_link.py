@@ -498,14 +498,16 @@ class RobotLink:
             def reanchor(first, measured, a=actions):
                 return profile.reanchor(a, measured=measured, first=first)
         chunk = make_chunk(stamp, self.cfg.action_period, targets, actions, state, reanchor)
+        # The whole chunk goes out before any command taken from it, so a listener always
+        # has the chunk a trajectory came from.
+        if self.predicted_pub is not None:
+            self._publish_predicted(chunk)
         with self.lock:
             if self.active:
                 self.player.play(chunk)
         self._stats['chunks'] += 1
         self._latency.append(self.now() - stamp)
         self._chunk_times.append(time.monotonic())
-        if self.predicted_pub is not None:
-            self._publish_predicted(chunk)
 
     def finished(self, ready: Ready, result) -> None:
         """A frame of this robot ended (its chunk already went to on_actions): count it,
