@@ -266,6 +266,11 @@ def main(args=None):
         print(f'[oxygen_sim_robot] error: {e}', file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
+        # Ignored from here on, not just noted: at exit Python puts back the default action
+        # for signals it handled, and a second SIGINT from ros2 launch would then kill the
+        # process on its way out.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()
