@@ -150,7 +150,10 @@ def run(eng, n, narrate=lambda i: True):
 @pytest.mark.parametrize('kw', [
     dict(mode='oxygen', decode_k=2),
     dict(mode='oxygen', decode_k=1, max_new_tokens=7, max_requests=5),
-    dict(mode='oxygen', decode_k=0),
+    # Adaptive k with a budget no frame reaches: its steps follow the requests' pace alone,
+    # not measured times, which differ between the two runs (a loaded machine once ran
+    # out of budget in one and not the other).
+    dict(mode='oxygen', decode_k=0, frame_budget_ms=1e9),
     dict(mode='shared_kv'),
     dict(mode='isolated'),
 ])
@@ -161,15 +164,7 @@ def test_engine_with_graphs_gives_the_same_actions_and_tokens(model, kw):
     a_static, t_static, b_static = run(static, 14, narrate)
     for x, y in zip(a_static, a_eager, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
-    if kw.get('decode_k') == 0:
-        # Adaptive k sizes each frame's decode run by measured times, so how far each
-        # request got by the last frame varies from run to run; what was decoded must agree.
-        assert t_static.keys() == t_eager.keys() and len(t_eager) == 11
-        for stamp, ours in t_static.items():
-            n = min(len(ours), len(t_eager[stamp]))
-            assert n > 0 and ours[:n] == t_eager[stamp][:n], stamp
-    else:
-        assert t_static == t_eager and len(t_eager) == 11
+    assert t_static == t_eager and len(t_eager) == 11
     assert len({tuple(t) for t in t_eager.values()}) > 3  # the text follows the frame
     if kw['mode'] == 'oxygen' and kw['decode_k']:
         assert b_static == b_eager
