@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from oxygen_ros.contract import Config, StartError
+from oxygen_ros.contract import Config, StartError, flatten
 from oxygen_ros.limits import JointLimits, Limit, describe, parse_limits
 from oxygen_ros.playback import Player, make_chunk
 
@@ -460,19 +460,9 @@ def test_an_action_limited_twice_is_an_error():
                      groups)
 
 
-def flat(params, prefix=''):
-    """A params file's nested mappings as ROS flattens them into parameter names."""
-    out = {}
-    for k, v in params.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f'{prefix}{k}.'))
-        else:
-            out[f'{prefix}{k}'] = v
-    return out
-
 
 def robot_file(name):
-    return flat(yaml.safe_load((ROOT / 'config' / name).read_text())['/**']['ros__parameters'])
+    return flatten(yaml.safe_load((ROOT / 'config' / name).read_text())['/**']['ros__parameters'])
 
 
 def test_shipped_droid_limits_are_franka_and_robotiq():

@@ -22,22 +22,13 @@ import numpy as np
 import pytest
 import yaml
 
-from oxygen_ros.contract import Config
+from oxygen_ros.contract import Config, flatten
 from oxygen_ros.playback import Player, make_chunk
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Relative slack for rounding; time_from_start is not truncated to nanoseconds here.
 TOL = 1e-6
 
-
-def flat(params, prefix=''):
-    out = {}
-    for k, v in params.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f'{prefix}{k}.'))
-        else:
-            out[f'{prefix}{k}'] = v
-    return out
 
 
 def robot_files():
@@ -138,7 +129,7 @@ KINDS = ('random', 'step', 'oscillate', 'slightly_out', 'far_out')
 def run(name, seconds=12.0, seed=0):
     """Feed chunks through the node's limiting; the worst ratio of each quantity to its
     limit over everything published, and how many commands and holds were sent."""
-    params = flat(yaml.safe_load((ROOT / 'config' / name).read_text())['/**'][
+    params = flatten(yaml.safe_load((ROOT / 'config' / name).read_text())['/**'][
         'ros__parameters'])
     nested = yaml.safe_load((ROOT / 'config' / name).read_text())['/**']['ros__parameters']
     cfg = Config.from_values(params)
