@@ -17,9 +17,10 @@ import re
 
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, OpaqueFunction
-from launch.substitutions import LaunchConfiguration
+from launch.actions import OpaqueFunction
 from launch_ros.actions import Node
+
+from oxygen_ros import launch_args
 
 
 def robot_names(text: str) -> list[str]:
@@ -31,28 +32,15 @@ def robot_names(text: str) -> list[str]:
 
 
 def nodes(context):
-    arg = {name: LaunchConfiguration(name).perform(context) for name in (
-        'robots', 'robot', 'params_file', 'checkpoint', 'device', 'autostart',
-        'use_sim_time', 'log_level', 'sim')}
+    arg = launch_args.values(context, 'robots', 'robot', 'sim')
     robots = robot_names(arg['robots'])
     config = os.path.join(get_package_share_directory('oxygen_ros'), 'config')
     robot_file = arg['params_file'] or os.path.join(config, f'{arg["robot"]}.yaml')
-    overrides = {'use_sim_time': arg['use_sim_time'].lower() == 'true'}
-    for name in ('checkpoint', 'device'):
-        if arg[name]:
-            overrides[name] = arg[name]
-    if arg['autostart']:
-        if arg['autostart'] not in ('true', 'false'):
-            raise ValueError(f'autostart:={arg["autostart"]} must be true or false')
-        overrides['autostart'] = arg['autostart'] == 'true'
+    overrides = launch_args.overrides(arg)
     fleet = dict(overrides, robots=robots)
     for r in robots:
         fleet[f'{r}.robot_file'] = robot_file
-    env = {}
-    if not os.environ.get('FASTRTPS_DEFAULT_PROFILES_FILE'):
-        env['FASTRTPS_DEFAULT_PROFILES_FILE'] = os.path.join(config, 'fastdds.xml')
-    common = dict(output='screen', emulate_tty=True, additional_env=env,
-                  arguments=['--ros-args', '--log-level', arg['log_level']])
+    common = launch_args.process(arg, config)
     out = [Node(package='oxygen_ros', executable='oxygen_node', name='oxygen_node',
                 parameters=[os.path.join(config, 'pi05.yaml'), robot_file, fleet], **common)]
     if arg['sim'].lower() == 'true':
@@ -64,26 +52,10 @@ def nodes(context):
 
 def generate_launch_description():
     return LaunchDescription([
-        DeclareLaunchArgument('robots', default_value='left,right',
-                              description='robot names, comma separated; each one a namespace'),
-        DeclareLaunchArgument('robot', default_value='sim',
-                              description='aloha, droid or sim: config/<robot>.yaml is every '
-                              "robot's robot file"),
-        DeclareLaunchArgument('params_file', default_value='',
-                              description='robot parameters file instead of config/<robot>.yaml'),
-        DeclareLaunchArgument('checkpoint', default_value='',
-                              description="checkpoint directory; '' keeps the files' value"),
-        DeclareLaunchArgument('device', default_value='',
-                              description="cpu or cuda; '' keeps the files' value"),
-        DeclareLaunchArgument('autostart', default_value='',
-                              description="true: configure and activate at once; false: wait "
-                              "for lifecycle transitions; '' keeps the files' value"),
-        DeclareLaunchArgument('use_sim_time', default_value='false',
-                              description='follow /clock'),
-        DeclareLaunchArgument('log_level', default_value='info',
-                              description='debug, info, warn, error'),
-        DeclareLaunchArgument('sim', default_value='false',
-                              description='also start one oxygen_sim_robot per robot, in its '
-                              'namespace'),
+        *launch_args.declare(
+            ('robots', 'left,right', 'robot names, comma separated; each one a namespace'),
+            ('robot', 'sim', "aloha, droid or sim: config/<robot>.yaml is every robot's robot "
+             'file'),
+            ('sim', 'false', 'also start one oxygen_sim_robot per robot, in its namespace')),
         OpaqueFunction(function=nodes),
     ])

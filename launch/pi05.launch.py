@@ -17,33 +17,19 @@ import os  # noqa: I001
 
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, OpaqueFunction
-from launch.substitutions import LaunchConfiguration
+from launch.actions import OpaqueFunction
 from launch_ros.actions import Node
+
+from oxygen_ros import launch_args
 
 
 def nodes(context):
-    arg = {name: LaunchConfiguration(name).perform(context) for name in (
-        'robot', 'params_file', 'checkpoint', 'device', 'autostart', 'namespace',
-        'use_sim_time', 'log_level', 'sim')}
+    arg = launch_args.values(context, 'robot', 'namespace', 'sim')
     config = os.path.join(get_package_share_directory('oxygen_ros'), 'config')
     robot_file = arg['params_file'] or os.path.join(config, f'{arg["robot"]}.yaml')
-    overrides = {'use_sim_time': arg['use_sim_time'].lower() == 'true'}
-    # Only what was given on the command line overrides the files.
-    for name in ('checkpoint', 'device'):
-        if arg[name]:
-            overrides[name] = arg[name]
-    if arg['autostart']:
-        if arg['autostart'] not in ('true', 'false'):
-            raise ValueError(f'autostart:={arg["autostart"]} must be true or false')
-        overrides['autostart'] = arg['autostart'] == 'true'
+    overrides = launch_args.overrides(arg)
     params = [os.path.join(config, 'pi05.yaml'), robot_file, overrides]
-    env = {}
-    if not os.environ.get('FASTRTPS_DEFAULT_PROFILES_FILE'):
-        env['FASTRTPS_DEFAULT_PROFILES_FILE'] = os.path.join(config, 'fastdds.xml')
-    common = dict(namespace=arg['namespace'], output='screen', emulate_tty=True,
-                  additional_env=env,
-                  arguments=['--ros-args', '--log-level', arg['log_level']])
+    common = dict(namespace=arg['namespace'], **launch_args.process(arg, config))
     out = [Node(package='oxygen_ros', executable='oxygen_node', name='oxygen_node',
                 parameters=params, **common)]
     if arg['sim'].lower() == 'true':
@@ -54,23 +40,9 @@ def nodes(context):
 
 def generate_launch_description():
     return LaunchDescription([
-        DeclareLaunchArgument('robot', default_value='aloha',
-                              description='aloha, droid or sim: picks config/<robot>.yaml'),
-        DeclareLaunchArgument('params_file', default_value='',
-                              description='robot parameters file instead of config/<robot>.yaml'),
-        DeclareLaunchArgument('checkpoint', default_value='',
-                              description="checkpoint directory; '' keeps the files' value"),
-        DeclareLaunchArgument('device', default_value='',
-                              description="cpu or cuda; '' keeps the files' value"),
-        DeclareLaunchArgument('autostart', default_value='',
-                              description="true: configure and activate at once; false: wait "
-                              "for lifecycle transitions; '' keeps the files' value"),
-        DeclareLaunchArgument('namespace', default_value='', description='node namespace'),
-        DeclareLaunchArgument('use_sim_time', default_value='false',
-                              description='follow /clock'),
-        DeclareLaunchArgument('log_level', default_value='info',
-                              description='debug, info, warn, error'),
-        DeclareLaunchArgument('sim', default_value='false',
-                              description='also start oxygen_sim_robot on the same topics'),
+        *launch_args.declare(
+            ('robot', 'aloha', 'aloha, droid or sim: picks config/<robot>.yaml'),
+            ('namespace', '', 'node namespace'),
+            ('sim', 'false', 'also start oxygen_sim_robot on the same topics')),
         OpaqueFunction(function=nodes),
     ])
