@@ -48,6 +48,8 @@ PARAMS = {
     'initial_positions': ([], 'joint positions at start, in state order; default zeros'),
     'narration_topic': ('oxygen_node/narration/text', 'final narration texts to log'),
     'report_every_s': (5.0, 'how often to log the received trajectory rate'),
+    'publish_images': (True, 'false stops every camera, as a camera failure does (dynamic: '
+                       'ros2 param set it to stop and restart them)'),
 }
 LIST_TYPES = {'cameras', 'camera_topics', 'joint_topics', 'joint_sources', 'joints',
               'output_groups', 'initial_positions'}
@@ -124,6 +126,7 @@ class SimRobot(Node):
 
         self.create_timer(1.0 / p['joint_rate_hz'], self._step_joints)
         self.create_timer(1.0 / p['camera_rate_hz'], self._publish_images)
+        self.add_on_set_parameters_callback(self._on_set_parameters)
         self.create_timer(p['report_every_s'], self._report)
         self._last_step = time.monotonic()
         self._since = time.monotonic()
@@ -189,7 +192,26 @@ class SimRobot(Node):
             msg.position = [float(self.q[i]) for i in idx]
             pub.publish(msg)
 
+    def _on_set_parameters(self, params):
+        from rcl_interfaces.msg import SetParameterResult
+
+        for prm in params:
+            if prm.name == 'publish_images':
+                if not isinstance(prm.value, bool):
+                    return SetParameterResult(successful=False,
+                                              reason='publish_images must be true or false')
+            elif prm.name in PARAMS:
+                return SetParameterResult(successful=False,
+                                          reason=f'{prm.name} is read at start only')
+        for prm in params:
+            if prm.name == 'publish_images':
+                self.p['publish_images'] = prm.value
+                self.get_logger().info('cameras ' + ('on' if prm.value else 'stopped'))
+        return SetParameterResult(successful=True)
+
     def _publish_images(self):
+        if not self.p['publish_images']:
+            return
         stamp = self.get_clock().now().to_msg()
         enc = self.p['image_encoding']
         for i, (pub, bg) in enumerate(zip(self.image_pubs, self.backgrounds, strict=True)):

@@ -132,3 +132,63 @@ def test_joints_obey_their_limits(tmp_path):
     moved = np.abs(np.diff(q[:, 1]))
     assert np.all(moved <= 0.5 * np.diff(stamps) + 0.005), moved.max()
     assert -0.7 < q[-1, 1] < -0.1
+
+
+def test_cameras_stop_and_restart_on_publish_images(tmp_path):
+    """publish_images:=false stops every camera of the running sim (what a fleet test uses
+    as a camera failure), true brings them back; anything else is refused."""
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+    from sensor_msgs.msg import Image
+
+    domain = str(random.randint(120, 220))
+    log = open(tmp_path / 'sim.log', 'w')
+    proc = subprocess.Popen(sim_args('cameras:=[front]', 'camera_topics:=[front/image]',
+                                     'image_width:=32', 'image_height:=24',
+                                     'camera_rate_hz:=20.0'),
+                            stdout=log, stderr=subprocess.STDOUT, env=env_for(domain))
+    os.environ['ROS_DOMAIN_ID'] = domain
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node('camera_check', context=context)
+    images = []
+    node.create_subscription(Image, 'front/image', lambda m: images.append(time.monotonic()),
+                             qos_profile_sensor_data)
+    client = node.create_client(SetParameters, '/oxygen_sim_robot/set_parameters')
+    ex = SingleThreadedExecutor(context=context)
+    ex.add_node(node)
+    threading.Thread(target=ex.spin, daemon=True).start()
+
+    def set_images(value):
+        v = ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=value) if isinstance(
+            value, bool) else ParameterValue(type=ParameterType.PARAMETER_STRING,
+                                             string_value=value)
+        req = SetParameters.Request(parameters=[Parameter(name='publish_images', value=v)])
+        fut = client.call_async(req)
+        end = time.monotonic() + 10
+        while not fut.done() and time.monotonic() < end:
+            time.sleep(0.02)
+        return fut.result().results[0]
+
+    try:
+        end = time.monotonic() + 30
+        while (len(images) < 5 or not client.service_is_ready()) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert len(images) >= 5, (tmp_path / 'sim.log').read_text()
+        assert set_images(False).successful
+        time.sleep(0.5)  # in flight before the change
+        n = len(images)
+        time.sleep(1.5)
+        assert len(images) == n, 'images still published with publish_images false'
+        bad = set_images('no')
+        assert not bad.successful and 'true or false' in bad.reason
+        assert set_images(True).successful
+        time.sleep(1.5)
+        assert len(images) - n >= 10, 'images did not come back'  # 20 Hz for 1.5 s
+    finally:
+        proc.terminate()
+        ex.shutdown(timeout_sec=1)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+        proc.wait(timeout=20)
+        log.close()
