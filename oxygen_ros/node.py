@@ -515,8 +515,9 @@ class OxygenNode(LifecycleNode):
                 if r is not None:
                     ready[name] = r
             if not ready:
-                # New images are seen only when taken: look again soon.
-                self._stop.wait(min(plan.wait or 0.002, 0.002))
+                # Nothing due: the plan's wait. Due robots whose images were not ready
+                # (poll checks staleness at its own pace): look again soon.
+                self._stop.wait(planner.look if plan.take else plan.wait)
                 continue
             inputs = {n: RobotInput(r.obs, narrate=r.narrate,
                                     max_new_tokens=self.cfg.p['max_new_tokens'],

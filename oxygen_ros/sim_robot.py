@@ -193,21 +193,21 @@ class SimRobot(Node):
             pub.publish(msg)
 
     def _on_set_parameters(self, params):
-        from rcl_interfaces.msg import SetParameterResult
+        from rcl_interfaces.msg import SetParametersResult
 
         for prm in params:
             if prm.name == 'publish_images':
                 if not isinstance(prm.value, bool):
-                    return SetParameterResult(successful=False,
+                    return SetParametersResult(successful=False,
                                               reason='publish_images must be true or false')
             elif prm.name in PARAMS:
-                return SetParameterResult(successful=False,
+                return SetParametersResult(successful=False,
                                           reason=f'{prm.name} is read at start only')
         for prm in params:
             if prm.name == 'publish_images':
                 self.p['publish_images'] = prm.value
                 self.get_logger().info('cameras ' + ('on' if prm.value else 'stopped'))
-        return SetParameterResult(successful=True)
+        return SetParametersResult(successful=True)
 
     def _publish_images(self):
         if not self.p['publish_images']:

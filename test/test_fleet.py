@@ -338,6 +338,14 @@ def test_planner_leaves_stale_robots_out():
     # Only stale robots due: no frame, and the wait is a poll, not their deadline.
     plan = p.plan(now, {'stale': times(now + 0.01, now - 0.3)})
     assert plan.take == [] and plan.wait == p.poll
+    # Due, only its next observation missing: look for it every `look`; not due yet: wait
+    # until it is (its chunk runs out 0.08 s from now, a frame takes 0.04 s).
+    plan = p.plan(now, {'waiting': times(now + 0.01, None)})
+    assert plan.take == [] and plan.wait == p.look == 0.002
+    plan = p.plan(now, {'waiting': times(now + 0.08, None), 'fresh': times(now + 0.3, now)})
+    assert plan.take == [] and plan.wait == pytest.approx(0.04)
+    with pytest.raises(ValueError, match='look'):
+        Planner(lambda n: 0.04, max_input_age=0.1, look=0.1)
     full = Planner(lambda n: 0.04, max_input_age=0.1, max_robots=1)
     plan = full.plan(now, {'x': times(now, now), 'y': times(now + 0.01, now)})
     assert plan.take == ['x'] and 'full' in plan.left_out['y']

@@ -6,6 +6,8 @@
                                                              # at 60 Hz, 2 JointStates at 500 Hz
     python tools/node_load.py --setup sim                    # the default sim (sim.yaml)
     python tools/node_load.py --setup sim --questions 4      # with 4 ~/ask goals in flight
+    python tools/node_load.py --setup fleet --robots 3       # one node, 3 sim robots in
+                                                             # namespaces r1..r3
 
 Three processes, as on a robot: the node, the robot side (a load generator publishing
 pre-built messages for `aloha`, oxygen_sim_robot for `sim`) and this one, which only
@@ -15,7 +17,11 @@ trajectory, so model loading is not held against the rates. Prints, per topic: r
 and max gap, rejected messages with the reasons; and from the node's /diagnostics over the
 same window: hold ticks, skipped frames, frames, missed ticks. With `--questions N` this
 process also keeps N ~/ask goals in flight (each sent again as soon as its result comes) from
-the warm-up on, and counts the results of the window by reason.
+the warm-up on, and counts the results of the window by reason. With `--setup fleet` one
+node serves `--robots` sim robots (sim.yaml each, in namespaces r1, r2, ...); halfway through
+the window the last robot's cameras stop (its sim robot's publish_images), and the window is
+judged in two halves: every robot before, and after the stop the others at full rate and the
+stopped one holding.
 """
 
 from __future__ import annotations
@@ -95,7 +101,10 @@ def jtc_problems(msg, joints: list[str], now: float) -> list[str]:
 
 
 class Checker:
-    def __init__(self, node, params: dict):
+    """Every trajectory of each robot's output topics (robot '' is a node's only robot;
+    fleet robots are in namespaces of their names), and the node's diagnostics per robot."""
+
+    def __init__(self, node, params: dict, robots=('',)):
         from diagnostic_msgs.msg import DiagnosticArray
         from rclpy.qos import QoSProfile, ReliabilityPolicy
         from trajectory_msgs.msg import JointTrajectory
@@ -107,31 +116,37 @@ class Checker:
         self.rejected = {}
         self.counting = False
         self.first = None
-        self.diag = {}
-        for g in params['output_groups']:
-            out = params['outputs'][g]
-            self.topics[g] = out['joints']
-            self.arrivals[g] = []
-            self.rejected[g] = {}
-            node.create_subscription(JointTrajectory, out['topic'],
-                                     lambda m, g=g: self._on_traj(g, m), reliable)
+        self.diag = {}  # robot -> its status values
+        for r in robots:
+            for g in params['output_groups']:
+                out = params['outputs'][g]
+                key = f'{r}/{g}' if r else g
+                self.topics[key] = out['joints']
+                self.arrivals[key] = []
+                self.rejected[key] = {}
+                topic = f'/{r}/{out["topic"]}' if r else out['topic']
+                node.create_subscription(JointTrajectory, topic,
+                                         lambda m, k=key: self._on_traj(k, m), reliable)
         node.create_subscription(DiagnosticArray, '/diagnostics', self._on_diag, 10)
 
-    def _on_traj(self, g, msg):
+    def _on_traj(self, key, msg):
         t = time.monotonic()
         if self.first is None:
             self.first = t
         if not self.counting:
             return
-        self.arrivals[g].append(t)
-        for why in jtc_problems(msg, self.topics[g], self.node.get_clock().now().nanoseconds
+        self.arrivals[key].append(t)
+        for why in jtc_problems(msg, self.topics[key], self.node.get_clock().now().nanoseconds
                                 * 1e-9):
-            self.rejected[g][why] = self.rejected[g].get(why, 0) + 1
+            self.rejected[key][why] = self.rejected[key].get(why, 0) + 1
 
     def _on_diag(self, msg):
+        # 'oxygen_node: inference' for one robot, 'oxygen_node: <robot>' in a fleet.
         for st in msg.status:
-            if st.name.startswith('oxygen_node'):
-                self.diag = {kv.key: kv.value for kv in st.values}
+            name, _, robot = st.name.partition(': ')
+            if name == 'oxygen_node':
+                self.diag[robot if robot != 'inference' else ''] = {
+                    kv.key: kv.value for kv in st.values}
 
 
 class Questions:
@@ -226,15 +241,40 @@ def load(params_file: str, cam_hz: float, joint_hz: float, width: int, height: i
 
 # -- the run -------------------------------------------------------------------------------
 
-def stats(arrivals: list[float], seconds: float) -> dict:
-    gaps = np.diff(arrivals) if len(arrivals) > 1 else np.array([math.inf])
-    return dict(rate_hz=len(arrivals) / seconds, gap_ms_p99=float(np.percentile(gaps, 99) * 1e3),
+def stats(arrivals: list[float], start: float, end: float) -> dict:
+    """Rate and gaps of the arrivals in [start, end); the gaps include the window's edges,
+    so a topic that stops shows the silence."""
+    got = [t for t in arrivals if start <= t < end]
+    gaps = np.diff([start, *got, end])
+    return dict(rate_hz=len(got) / (end - start), messages=len(got),
+                gap_ms_p99=float(np.percentile(gaps, 99) * 1e3),
                 gap_ms_max=float(gaps.max() * 1e3))
+
+
+def set_param(node, ex, service: str, name: str, value: bool):
+    """Set one bool parameter of another node; True when it was accepted."""
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+
+    client = node.create_client(SetParameters, service)
+    try:
+        if not client.wait_for_service(timeout_sec=10):
+            return False
+        fut = client.call_async(SetParameters.Request(parameters=[Parameter(
+            name=name, value=ParameterValue(type=ParameterType.PARAMETER_BOOL,
+                                            bool_value=value))]))
+        end = time.monotonic() + 10
+        while not fut.done() and time.monotonic() < end:
+            ex.spin_once(timeout_sec=0.05)
+        return fut.done() and fut.result().results[0].successful
+    finally:
+        node.destroy_client(client)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('--setup', choices=('aloha', 'sim'), default='aloha')
+    ap.add_argument('--setup', choices=('aloha', 'sim', 'fleet'), default='aloha')
+    ap.add_argument('--robots', type=int, default=3, help='sim robots of --setup fleet')
     ap.add_argument('--seconds', type=float, default=60.0)
     ap.add_argument('--warmup', type=float, default=10.0)
     ap.add_argument('--model', default='small')
@@ -263,6 +303,9 @@ def main(argv=None):
     cfg = config_dir()
     robot_file = cfg / ('aloha.yaml' if a.setup == 'aloha' else 'sim.yaml')
     params = robot_params(robot_file)
+    if a.setup == 'fleet' and a.robots < 1:
+        raise SystemExit('--robots must be >= 1')
+    robots = [f'r{i + 1}' for i in range(a.robots)] if a.setup == 'fleet' else ['']
     tmp = Path(tempfile.mkdtemp(prefix='node_load_'))
     extra = tmp / 'extra.yaml'
     # Random weights command far outside ALOHA's joint limits, and the node would hold on
@@ -271,6 +314,9 @@ def main(argv=None):
     extra.write_text(yaml.safe_dump({'/**': {'ros__parameters': {
         'model': a.model, 'device': 'cpu', 'threads': 1, 'autostart': True,
         'allow_random_weights': True, 'limit_hold_margin': 1000.0}}}))
+    if a.setup == 'fleet':  # every robot on sim.yaml, in the namespace of its name
+        fleet = {'robots': robots, **{f'{r}.robot_file': str(robot_file) for r in robots}}
+        (tmp / 'fleet.yaml').write_text(yaml.safe_dump({'/**': {'ros__parameters': fleet}}))
     env = dict(os.environ, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1',
                ROS_DOMAIN_ID=os.environ.get('ROS_DOMAIN_ID', str(np.random.randint(100, 230))))
     env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
@@ -282,8 +328,10 @@ def main(argv=None):
     # As pi05.launch.py layers them: model and engine, then the robot, then overrides.
     ros = ['--ros-args', '--params-file', str(cfg / 'pi05.yaml'), '--params-file',
            str(robot_file), '--params-file', str(extra)]
-    logs = {n: open(tmp / f'{n}.log', 'w') for n in ('node', 'robot')}
-    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.node', *ros, *node_args],
+    fleet_args = ['--params-file', str(tmp / 'fleet.yaml')] if a.setup == 'fleet' else []
+    logs = {n: open(tmp / f'{n}.log', 'w') for n in ('node', *(f'robot{r}' for r in robots))}
+    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.node', *ros, *fleet_args,
+                             *node_args],
                             stdout=logs['node'], stderr=subprocess.STDOUT, env=env, cwd=tmp)
     if a.setup == 'aloha':
         robot_cmd = [sys.executable, str(Path(__file__).resolve()), '--role', 'load',
@@ -293,14 +341,16 @@ def main(argv=None):
     else:
         robot_cmd = [sys.executable, '-m', 'oxygen_ros.sim_robot', *ros]
     # cwd: not the source tree, whose oxygen_ros lacks the generated messages.
-    robot = subprocess.Popen(robot_cmd, stdout=logs['robot'], stderr=subprocess.STDOUT, env=env,
-                             cwd=tmp)
+    sims = [subprocess.Popen(robot_cmd + (['-r', f'__ns:=/{r}'] if r else []),
+                             stdout=logs[f'robot{r}'], stderr=subprocess.STDOUT, env=env,
+                             cwd=tmp) for r in robots]
+    procs = [node, *sims]
 
     os.environ.clear()
     os.environ.update(env)
     rclpy.init()
     listener = rclpy.create_node('node_load_checker')
-    checker = Checker(listener, params)
+    checker = Checker(listener, params, robots)
     questions = Questions(listener, a.questions) if a.questions else None
     ex = SingleThreadedExecutor()
     ex.add_node(listener)
@@ -322,29 +372,36 @@ def main(argv=None):
         end = time.monotonic() + a.warmup
         while time.monotonic() < end:
             spin()
-        before = dict(checker.diag)
+        before = {r: dict(v) for r, v in checker.diag.items()}
         checker.counting = True
         if questions:
             questions.counting = True
         start = time.monotonic()
+        stop_at = start + a.seconds / 2 if a.setup == 'fleet' else math.inf
+        stopped = None
         while time.monotonic() < start + a.seconds:
             spin()
+            if stopped is None and time.monotonic() >= stop_at:
+                stopped = time.monotonic()
+                if not set_param(listener, ex, f'/{robots[-1]}/oxygen_sim_robot/set_parameters',
+                                 'publish_images', False):
+                    raise SystemExit(f'could not stop the cameras of {robots[-1]}')
         checker.counting = False
         if questions:
             questions.counting = False
         span = time.monotonic() - start
         # The next diagnostics report closes the window.
-        seen = checker.diag
+        seen = checker.diag.get(robots[0])
         end = time.monotonic() + 3
-        while checker.diag is seen and time.monotonic() < end:
+        while checker.diag.get(robots[0]) is seen and time.monotonic() < end:
             ex.spin_once(timeout_sec=0.05)
-        after = dict(checker.diag)
+        after = {r: dict(v) for r, v in checker.diag.items()}
     finally:
-        for p in (node, robot):
+        for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
         codes = []
-        for p in (node, robot):
+        for p in procs:
             try:
                 codes.append(p.wait(20))
             except subprocess.TimeoutExpired:
@@ -356,40 +413,68 @@ def main(argv=None):
         for f in logs.values():
             f.close()
 
-    def delta(key):
+    def delta(r, key):
         try:
-            return int(after[key]) - int(before.get(key, 0))
+            return int(after[r][key]) - int(before.get(r, {}).get(key, 0))
         except (KeyError, ValueError):
             return None
 
-    control = float(after.get('control_publish_hz', 'nan'))
     period_ms = 1e3 / 70.0
+    end = start + span
     result = dict(setup=a.setup, model=a.model, seconds=round(span, 2), topics={},
-                  node_exit=codes[0], questions=a.questions)
+                  node_exit=codes[0], questions=a.questions, robots={})
     print(f'{a.setup} load, model {a.model}, {span:.1f} s after {a.warmup:g} s warm-up, '
           f'{a.questions} ~/ask goals in flight, DDS profile {a.dds_profile or "none"} '
           '(shared machine: timings are noisy)')
-    for g in checker.topics:
-        s = stats(checker.arrivals[g], span)
-        s['rejected'] = sum(checker.rejected[g].values())
-        s['reasons'] = checker.rejected[g]
-        result['topics'][g] = s
-        print(f'  {g:16s} {s["rate_hz"]:6.1f} Hz  p99 gap {s["gap_ms_p99"]:6.1f} ms '
-              f'({s["gap_ms_p99"] / period_ms:.2f} periods)  max {s["gap_ms_max"]:7.1f} ms  '
-              f'rejected {s["rejected"]}' + (f' {s["reasons"]}' if s['reasons'] else ''))
-    for key in ('hold_ticks', 'skipped_frames', 'frames', 'missed_ticks', 'holds',
-                'dropped_images', 'dropped_joint_states'):
-        result[key] = delta(key)
-    result['control_publish_hz'] = control
-    for key in ('frame_ms_p50', 'frame_ms_p99', 'action_latency_ms_p50', 'action_latency_ms_p99',
-                'chunk_interval_ms_p99', 'chunk_ms'):
-        result[key] = after.get(key)
-    print('  node: ' + ', '.join(f'{k} {result[k]}' for k in (
-        'hold_ticks', 'skipped_frames', 'frames', 'missed_ticks', 'holds')) +
-        f', exit code {codes[0]}')
-    print('  node (last 500 frames): ' + ', '.join(f'{k} {result[k]}' for k in (
-        'frame_ms_p50', 'frame_ms_p99', 'action_latency_ms_p50', 'action_latency_ms_p99',
-        'chunk_interval_ms_p99', 'chunk_ms')))
+    # Fleet: each half of the window on its own; the last robot's cameras stop halfway.
+    windows = [('', start, end)] if stopped is None else [
+        ('before the stop', start, stopped), ('after the stop', stopped, end)]
+    for label, t0, t1 in windows:
+        if label:
+            print(f'  {label} ({t1 - t0:.1f} s; {robots[-1]} cameras stopped):'
+                  if 'after' in label else f'  {label} ({t1 - t0:.1f} s):')
+        for g in checker.topics:
+            st = stats(checker.arrivals[g], t0, t1)
+            rej = {}
+            if not label or 'after' in label:  # rejections counted over the whole window
+                rej = checker.rejected[g]
+                st['rejected'] = sum(rej.values())
+                st['reasons'] = rej
+            result['topics'][f'{g} {label}'.strip()] = st
+            print(f'    {g:20s} {st["rate_hz"]:6.1f} Hz  p99 gap {st["gap_ms_p99"]:7.1f} ms '
+                  f'({st["gap_ms_p99"] / period_ms:.2f} periods)  max {st["gap_ms_max"]:7.1f} '
+                  'ms' + (f'  rejected {st["rejected"]}' if 'rejected' in st else '')
+                  + (f' {rej}' if rej else ''))
+    if stopped is not None:
+        last = robots[-1]
+        heard = [t for g in checker.topics if g.startswith(last + '/')
+                 for t in checker.arrivals[g] if t >= stopped]
+        result['stopped_robot'] = last
+        result['last_trajectory_after_stop_ms'] = (max(heard) - stopped) * 1e3 if heard else 0
+        print(f'  {last}: last trajectory {result["last_trajectory_after_stop_ms"]:.0f} ms '
+              'after its cameras stopped')
+    for r in robots:
+        res = {}
+        for key in ('hold_ticks', 'skipped_frames', 'frames', 'missed_ticks', 'holds',
+                    'dropped_images', 'dropped_joint_states'):
+            res[key] = delta(r, key)
+        got = after.get(r, {})
+        res['control_publish_hz'] = float(got.get('control_publish_hz', 'nan'))
+        for key in ('frame_ms_p50', 'frame_ms_p99', 'action_latency_ms_p50',
+                    'action_latency_ms_p99', 'chunk_interval_ms_p99', 'chunk_ms', 'last_hold'):
+            res[key] = got.get(key)
+        result['robots'][r] = res
+        who = f'node ({r})' if r else 'node'
+        print(f'  {who}: ' + ', '.join(f'{k} {res[k]}' for k in (
+            'hold_ticks', 'skipped_frames', 'frames', 'missed_ticks', 'holds')) +
+            f', exit code {codes[0]}')
+        print(f'  {who} (last 500 frames): ' + ', '.join(f'{k} {res[k]}' for k in (
+            'frame_ms_p50', 'frame_ms_p99', 'action_latency_ms_p50', 'action_latency_ms_p99',
+            'chunk_interval_ms_p99', 'chunk_ms')))
+        if res['last_hold']:
+            print(f'  {who} last hold: {res["last_hold"]}')
+    if len(robots) == 1:  # the single-robot JSON as before
+        result.update(result.pop('robots')[''])
     if questions:
         result['question_results'] = questions.reasons
         result['question_tokens'] = questions.tokens

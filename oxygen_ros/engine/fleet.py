@@ -43,20 +43,24 @@ class Planner:
     """``estimate(n)``: seconds from a frame's start to its chunks for a frame of ``n``
     robots, or None when not known yet (``first`` is used then). ``max_robots`` bounds a
     frame; ``margin`` is added to every estimate (the caller's own jitter); ``poll`` is the
-    longest wait, so that a robot whose inputs come back is seen soon."""
+    longest wait, so that a robot whose inputs come back is seen soon; ``look`` is the wait
+    while a robot is due and only its next observation is missing (the caller sees new
+    images only when it looks)."""
 
     def __init__(self, estimate: Callable[[int], float | None], max_input_age: float,
                  max_robots: int = 8, first: float = 0.2, margin: float = 0.0,
-                 poll: float = 0.05):
-        if max_input_age <= 0 or max_robots < 1 or first <= 0 or margin < 0 or poll <= 0:
+                 poll: float = 0.05, look: float = 0.002):
+        if (max_input_age <= 0 or max_robots < 1 or first <= 0 or margin < 0 or poll <= 0
+                or not 0 < look <= poll):
             raise ValueError('max_input_age, first and poll must be > 0, max_robots >= 1, '
-                             'margin >= 0')
+                             'margin >= 0, 0 < look <= poll')
         self.estimate = estimate
         self.max_input_age = max_input_age
         self.max_robots = max_robots
         self.first = first
         self.margin = margin
         self.poll = poll
+        self.look = look
 
     def frame_time(self, n: int) -> float:
         e = self.estimate(n) if n else 0.0
@@ -101,10 +105,16 @@ class Planner:
                 out[n] = why
         if take:
             return Plan(take, 0.0, out, e)
-        # Nothing due: decide again when the first fresh robot comes due.
+        # Nothing due: decide again when the first robot comes due. One already due that
+        # waits for its next observation is looked at every `look`; one with old inputs
+        # is checked every `poll`.
         wait = self.poll
-        if fresh:
-            wait = min(wait, max(0.0, left(fresh[0]) - self.frame_time(1)))
+        for n in order:
+            due_in = left(n) - self.frame_time(1)
+            if n in fresh:
+                wait = min(wait, max(0.0, due_in))
+            elif robots[n].stamp is None:
+                wait = min(wait, max(self.look, due_in))
         return Plan([], wait, out, 0.0)
 
 
