@@ -57,3 +57,5 @@ def test_robots_path(tmp_path, capsys):
     assert len(table) == 6 and {'mode', 'robots', 'action_hz', 'latency_ms_p99'} <= set(table[0])
     printed = capsys.readouterr().out
     assert '| fleet | 2 | 4 |' in printed and 'batching allows' in printed
+    assert (tmp_path / 'fleet.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert f'wrote {tmp_path / "fleet.json"}, {tmp_path / "fleet.csv"}, ' in printed

@@ -377,7 +377,11 @@ def _fleet(args) -> dict:
         w.writerows(report['rows'])
     print(fleet_bench.table(report['rows']))
     print(fleet_bench.phase_lines(report['rows']))
-    print(f'wrote {out / "fleet.json"}, {out / "fleet.csv"}')
+    wrote = [out / 'fleet.json', out / 'fleet.csv']
+    if args.plot:
+        fleet_bench.plot(report['rows'], out / 'fleet.png', args)
+        wrote.append(out / 'fleet.png')
+    print('wrote ' + ', '.join(str(p) for p in wrote))
     return report
 
 

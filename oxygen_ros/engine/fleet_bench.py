@@ -256,5 +256,37 @@ def phase_lines(rows) -> str:
     return '\n'.join(out)
 
 
+def plot(rows, path: Path, args) -> None:
+    """Robots against aggregate action rate and against each robot's chunk latency."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in FLEET_MODES:
+        rs = sorted((r for r in rows if r['mode'] == mode), key=lambda r: r['robots'])
+        if not rs:
+            continue
+        k = [r['robots'] for r in rs]
+        a.plot(k, [r['action_hz'] for r in rs], 'o-', label=mode)
+        line, = b.plot(k, [r['latency_ms_p50'] for r in rs], 'o-', label=f'{mode} p50')
+        b.plot(k, [r['latency_ms_p99'] for r in rs], 'x:', color=line.get_color(),
+               label=f'{mode} p99')
+    a.set(xlabel='robots', ylabel='action Hz, all robots together',
+          title='Aggregate action rate')
+    b.set(xlabel='robots', ylabel='ms, round start to the robot\'s chunk',
+          title='Per-robot chunk latency')
+    for ax in (a, b):
+        ax.set_xticks(sorted({r['robots'] for r in rows}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    T = sorted({r['T'] for r in rows})
+    fig.suptitle(f'oxygen-bench --robots: {args.config} config on {args.device}, T = '
+                 f'{", ".join(map(str, T))}')
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 if __name__ == '__main__':
     print(json.dumps(child(**json.loads(sys.argv[1]))))
