@@ -1,5 +1,6 @@
 """Under use_sim_time the node's control follows /clock: a slowed simulation gets no more
-commands than its simulated time has control ticks, and a paused one gets none."""
+commands than its simulated time has control ticks, and a paused one gets none. The same
+for a node serving a fleet (its own frame planning runs on the node's clock)."""
 import random
 import threading
 import time
@@ -30,7 +31,7 @@ class Simulation:
     """Publishes /clock and sensors stamped in simulated time, which runs at `speed` x the
     wall clock (0 = paused: no clock ticks and no sensor data, as a paused simulator)."""
 
-    def __init__(self, node):
+    def __init__(self, node, ns=''):
         self.node = node
         self.sim = 1000.0
         self.speed = 1.0
@@ -38,11 +39,12 @@ class Simulation:
         self._lock = threading.Lock()
         self.clock = node.create_publisher(Clock, '/clock', 10)
         best = qos_profile_sensor_data
-        self.cams = [node.create_publisher(Image, f'/{c}/image', best) for c in ('front', 'wrist')]
-        self.joints = node.create_publisher(JointState, '/joint_states', best)
+        self.cams = [node.create_publisher(Image, f'{ns}/{c}/image', best)
+                     for c in ('front', 'wrist')]
+        self.joints = node.create_publisher(JointState, f'{ns}/joint_states', best)
         self.traj = []
         reliable = QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE)
-        node.create_subscription(JointTrajectory, '/arm_controller/joint_trajectory',
+        node.create_subscription(JointTrajectory, f'{ns}/arm_controller/joint_trajectory',
                                  lambda m: self.traj.append(time.monotonic()), reliable)
         node.create_timer(1 / 200, self._tick_clock)
         node.create_timer(1 / 30, self._images)
@@ -80,12 +82,15 @@ class Simulation:
         return rate(self.traj, seconds)
 
 
-@pytest.fixture(scope='module')
-def sim(tmp_path_factory):
+@pytest.fixture(scope='module', params=['one robot', 'fleet'])
+def sim(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp('sim_time')
     domain = str(random.randint(221, 232))
-    with node_process(tmp, dict(PARAMS, use_sim_time=True), domain, 'simulation',
-                      Simulation) as (proc, s):
+    params, ns = dict(PARAMS, use_sim_time=True), ''
+    if request.param == 'fleet':  # one robot of a fleet, in its namespace
+        params['robots'], ns = ['solo'], '/solo'
+    with node_process(tmp, params, domain, 'simulation',
+                      lambda node: Simulation(node, ns)) as (proc, s):
         assert wait_for(lambda: len(s.traj) > 20 or proc.poll() is not None, 60), s.log()
         assert proc.poll() is None, s.log()
         s.proc = proc
