@@ -13,7 +13,7 @@ def test_gpu_check_cpu_writes_its_tables(tmp_path):
     out = subprocess.run(
         [str(root / 'tools' / 'gpu_check.sh'), '--cpu', '--config', 'tiny',
          '--precision-config', 'tiny', '--T', '2', '4', '--frames', '3', '--warmup', '1',
-         '--repeats', '2', '--threads', '1', '--out', str(tmp_path)],
+         '--repeats', '2', '--threads', '1', '--robots', '1', '2', '--out', str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads((tmp_path / 'gpu_check.json').read_text())
@@ -33,5 +33,14 @@ def test_gpu_check_cpu_writes_its_tables(tmp_path):
         (m, t) for m in ('isolated', 'shared_kv', 'oxygen') for t in (2, 4))
     assert [r['T'] for r in e['results']] == [4, 4, 4]
     assert [r['k'] for r in g['k_sweep']][-1] == 'adaptive'
+    # Step 4: the fleet bench at each K, with graphs, at the largest T.
+    f = report['fleet']
+    assert f['graphs'] and sorted((r['mode'], r['robots']) for r in f['rows']) == sorted(
+        (m, k) for m in ('fleet', 'sliced', 'separate') for k in (1, 2))
+    assert {r['T'] for r in f['rows']} == {4}
+    # Step 5: no energy counter on a CPU, and the report says why rather than a number.
+    assert report['energy'] == [] and report['energy_why'] == 'not a CUDA device'
+    assert not any('energy_mj_per_frame' in r for r in g['results'])
     md = (tmp_path / 'gpu_check.md').read_text()
     assert md in out.stdout and '| graphs | 3 |' in md and '| oxygen | 4 |' in md
+    assert '| fleet | 2 | 4 |' in md and 'energy: not measured (not a CUDA device)' in md

@@ -9,7 +9,11 @@ Steps, all offline (random weights, the built-in tokenizer):
 2. frame time of one request (prefill + denoise) for 1, 2 and 3 views, eager vs graphs;
 3. oxygen-bench at T = 5, 10, 20, 30 (isolated, shared_kv, oxygen; N = 10, k = 5, and the k
    sweep with adaptive k) with graphs, and eager at T = 30, peak device memory per mode;
-4. gpu_check.json and gpu_check.md under benchmarks/<device name>/ (or --out).
+4. oxygen-bench --robots 1 2 4 8 at the largest T with graphs: one engine batching K robots
+   (fleet) against their frames one after another (sliced) and K engines (separate);
+5. energy per frame from the GPU's total-energy counter (NVML, nvidia-ml-py) for isolated,
+   oxygen (step 3, T = 30) and the fleet (per robot's frame), where the GPU has one;
+6. gpu_check.json and gpu_check.md under benchmarks/<device name>/ (or --out).
 Exits 1 when a correctness check fails; the speed goals are reported, not enforced.
 """
 
@@ -27,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oxygen_ros.engine import Engine, EngineConfig
+from oxygen_ros.engine import Engine, EngineConfig, fleet_bench
 from oxygen_ros.engine.bench import observations
+from oxygen_ros.engine.energy import Meter
 from oxygen_ros.engine.engine import random_model
 from oxygen_ros.engine.requests import Request
 from oxygen_ros.model import Pi05, load_config
@@ -156,6 +161,32 @@ def bench(config: str, device: torch.device, out: Path, args, graphs: bool, T, s
     return json.loads((out / 'bench.json').read_text())
 
 
+def fleet(config: str, device: torch.device, out: Path, args, T: int):
+    cmd = [sys.executable, '-m', 'oxygen_ros.engine.bench', '--config', config,
+           '--device', str(device), '--robots', *map(str, args.robots), '--T', str(T),
+           '--N', '10', '--k', '5', '--frames', str(args.frames), '--warmup',
+           str(args.warmup), '--repeats', str(args.repeats), '--threads', str(args.threads),
+           '--out', str(out), '--graphs', '--no-plot']
+    print('$ python', ' '.join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads((out / 'fleet.json').read_text())
+
+
+def energy(graphs: dict, fleet_report: dict, T: int) -> list[dict]:
+    """mJ per robot's frame: isolated and oxygen (one robot) and the fleet at each K."""
+    rows = [dict(what=r['mode'], robots=1, mj=r['energy_mj_per_frame'], watts=r['watts'])
+            for r in graphs['results']
+            if r['T'] == T and r['mode'] in ('isolated', 'oxygen') and 'energy_mj_per_frame' in r]
+    rows += [dict(what='fleet', robots=r['robots'], mj=r['energy_mj_per_robot_frame'],
+                  watts=r['watts'])
+             for r in fleet_report['rows']
+             if r['mode'] == 'fleet' and 'energy_mj_per_robot_frame' in r]
+    base = next((r['mj'] for r in rows if r['what'] == 'isolated'), None)
+    for r in rows:
+        r['vs_isolated'] = 1 - r['mj'] / base if base else None
+    return rows
+
+
 def goals(single: list[dict], rows: list[dict]) -> list[tuple[str, str, bool]]:
     g3 = next(r for r in single if r['graphs'] and r['cameras'] == 3)
     t30 = {r['mode']: r for r in rows if r['T'] == 30}
@@ -220,6 +251,18 @@ def markdown(report: dict) -> str:
             for r in b['k_sweep']:
                 lines.append(f"| {r['k']} | {r['frame_ms_mean']:.2f} | {r['action_hz']:.1f} | "
                              f"{r['tokens_per_s']:.0f} | {r['budget_misses']}/{r['frames']} |")
+    f = report['fleet']
+    lines += ['', f"oxygen-bench --robots, graphs, T = {f['rows'][0]['T']} (peak MB: CUDA "
+              'allocated on a GPU, RSS on a CPU)', '', fleet_bench.table(f['rows'])]
+    if report['energy']:
+        lines += ['', '| energy per robot frame | robots | mJ | watts | less than isolated |',
+                  '|---|---|---|---|---|']
+        for r in report['energy']:
+            less = f"{100 * r['vs_isolated']:.0f}%" if r['vs_isolated'] is not None else ''
+            lines.append(f"| {r['what']} | {r['robots']} | {r['mj']:.1f} | {r['watts']:.0f} "
+                         f'| {less} |')
+    else:
+        lines += ['', f"energy: not measured ({report['energy_why']})"]
     if report.get('goals'):
         lines += ['', '| goal (data-centre GPU) | measured | met |', '|---|---|---|']
         lines += [f'| {name} | {text} | {"yes" if ok else "no"} |'
@@ -239,6 +282,8 @@ def main(argv=None) -> int:
     p.add_argument('--warmup', type=int, default=5)
     p.add_argument('--repeats', type=int, default=10)
     p.add_argument('--threads', type=int, default=2, help='torch threads on the CPU')
+    p.add_argument('--robots', type=int, nargs='+', default=[1, 2, 4, 8],
+                   help='robots of step 4')
     p.add_argument('--out', default=None, help='default benchmarks/<device name>')
     args = p.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
@@ -251,23 +296,27 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    print(f'1/3 precision ({args.precision_config} config) on {name}', flush=True)
+    print(f'1/5 precision ({args.precision_config} config) on {name}', flush=True)
     prec = precision(device, 4, args.precision_config)
     dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
-    print(f'2/3 one request, 1-3 views ({config}, {dtype}, eager and graphs)', flush=True)
+    print(f'2/5 one request, 1-3 views ({config}, {dtype}, eager and graphs)', flush=True)
     torch.manual_seed(0)
     model = random_model(load_config(config), device, dtype).eval()
     single = frame_times(model, args.frames, args.warmup)
     del model
     if device.type == 'cuda':
         torch.cuda.empty_cache()
-    print('3/3 oxygen-bench, graphs and eager', flush=True)
+    print('3/5 oxygen-bench, graphs and eager', flush=True)
     graphs = bench(config, device, out / 'bench-graphs', args, True, args.T, sweep=True)
     eager = bench(config, device, out / 'bench-eager', args, False, [max(args.T)], sweep=False)
+    print(f'4/5 oxygen-bench --robots {" ".join(map(str, args.robots))}, graphs', flush=True)
+    fleets = fleet(config, device, out / 'fleet', args, max(args.T))
+    print('5/5 energy per frame', flush=True)
     report = dict(device_name=name, device=str(device), config=config, dtype=str(dtype),
                   precision_config=args.precision_config,
                   torch=torch.__version__, precision=prec, single=single,
-                  bench_graphs=graphs, bench_eager=eager)
+                  bench_graphs=graphs, bench_eager=eager, fleet=fleets,
+                  energy=energy(graphs, fleets, max(args.T)), energy_why=Meter(device).why)
     if device.type == 'cuda' and 30 in args.T:
         report['goals'] = goals(single, graphs['results'])
     report['seconds'] = time.perf_counter() - start

@@ -2,7 +2,7 @@
 # The GPU check (tools/gpu_check.py): on a CUDA machine, no arguments; --cpu runs the same
 # steps on the small config on the CPU. Needs torch and this package's Python dependencies
 # (the venv tools/ws.sh sets up, $OXYGEN_VENV, or $PYTHON); no network, no ROS.
-# Stops after 8 minutes, the time it is sized for.
+# Stops after 9.5 minutes (GPU_CHECK_TIMEOUT, seconds), the time it is sized for.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${OXYGEN_VENV:-$HOME/.cache/oxygen_ros/venv}"
@@ -17,4 +17,4 @@ else
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 cd "$root"
-exec timeout "${GPU_CHECK_TIMEOUT:-480}" "$py" tools/gpu_check.py "$@"
+exec timeout "${GPU_CHECK_TIMEOUT:-570}" "$py" tools/gpu_check.py "$@"

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ..model import load_config
 from ..model.tokenizer import Tokenizer
 from . import fleet_bench
+from .energy import Meter
 from .engine import Engine, EngineConfig, Observation, random_model
 from .requests import Request, sample
 
@@ -210,6 +211,18 @@ def run_mode(engine: Engine, frames: int, warmup: int, cameras: int,
     )
 
 
+def frame_energy(meter: Meter, engine: Engine, cameras: int) -> dict | None:
+    """Energy per frame (mJ) at the engine's steady state: run_mode's frames, repeated for
+    at least two seconds (the counter's resolution); None without a counter."""
+    if meter.handle is None:
+        return None
+    obs = list(observations(engine.model_cfg, 8, cameras))
+    count = iter(range(1 << 62))
+    out = meter.per_call(lambda: engine.step(obs[next(count) % len(obs)], narrate=True))
+    engine.cancel_all()
+    return out
+
+
 def memory_mb(engine: Engine) -> float:
     """Peak device memory on CUDA; on CPU the bytes of the weights and KV caches held."""
     if engine.device.type == 'cuda':
@@ -286,6 +299,9 @@ def run(argv=None) -> dict:
           + ', '.join(f'b={b} {v:.2f} ms' for b, v in d.items()))
 
     rows = []
+    meter = Meter(device)
+    if device.type == 'cuda' and meter.handle is None:
+        print(f'energy: not measured ({meter.why})')
     plan = [(T, m) for T in args.T for m in args.modes]
     for T, mode in tqdm(plan, desc='oxygen-bench', unit='run'):
         e = engine(mode, T)
@@ -309,6 +325,11 @@ def run(argv=None) -> dict:
             # CUDA graphs replay in a private pool that the allocator does not count as
             # allocated; reserved memory includes it (and the phase engine's).
             r['memory_reserved_mb'] = torch.cuda.max_memory_reserved(device) / 2**20
+            # At the largest T only: two seconds of frames per row add up on a GPU check.
+            energy = frame_energy(meter, e, args.cameras) if T == t_max else None
+            if energy is not None:
+                r['energy_mj_per_frame'] = energy['mj_per_call']
+                r['watts'] = energy['watts']
         else:
             r['memory_mb'] = memory_mb(e)
         if own is not None:
@@ -370,7 +391,8 @@ def _fleet(args) -> dict:
     (out / 'fleet.json').write_text(json.dumps(report, indent=2))
     keys = ['mode', 'robots', 'T', 'N', 'k', 'round_ms_mean', 'action_hz', 'vs_sliced',
             'latency_ms_p50', 'latency_ms_p99', 'tokens_per_s', 'rss_peak_mb', 'rss_vs_one',
-            'held_mb', 'held_vs_one']
+            'peak_mb', 'peak_vs_one', 'held_mb', 'held_vs_one', 'cuda_peak_mb',
+            'energy_mj_per_robot_frame', 'watts']
     with open(out / 'fleet.csv', 'w', newline='') as fh:
         w = csv.DictWriter(fh, keys, extrasaction='ignore')
         w.writeheader()

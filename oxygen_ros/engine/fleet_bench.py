@@ -178,6 +178,24 @@ def child(mode: str, k: int, T: int, config: str, device: str, threads: int, N: 
     unique = list({id(e): e for e in engines.values()}.values())
     for e in unique:
         e.cancel_all()
+    energy = None
+    if dev.type == 'cuda':  # a round as measured, repeated for the counter (energy.py)
+        from .energy import Meter
+
+        count = iter(range(1 << 62))
+
+        def one_round():
+            i = warmup + next(count) % frames
+            if mode == 'fleet':
+                engines[names[0]].step_fleet({n: RobotInput(obs[n][i], narrate=True)
+                                              for n in names})
+            else:
+                for n in names:
+                    engines[n].step_fleet({n: RobotInput(obs[n][i], narrate=True)})
+
+        energy = Meter(dev).per_call(one_round)
+        for e in unique:
+            e.cancel_all()
     lat = np.array(latency)
     row = dict(mode=mode, robots=k, T=T, N=N, k=decode_k, rounds=frames,
                round_ms_mean=wall * 1e3 / frames,
@@ -188,8 +206,18 @@ def child(mode: str, k: int, T: int, config: str, device: str, threads: int, N: 
                robots_per_frame=float(np.mean(batch)),
                held_mb=_held_mb(unique), rss_peak_mb=_rss_mb(), rss_start_mb=rss0,
                engines=len(unique))
+    # Peak memory: the process's RSS, and on CUDA the device's peak allocated (each mode and
+    # K in its own process, so the peak is its own).
+    row['peak_mb'] = row['rss_peak_mb']
+    if dev.type == 'cuda':
+        row['peak_mb'] = row['cuda_peak_mb'] = torch.cuda.max_memory_allocated(dev) / 2**20
     if phases is not None:
         row['phases'] = phases.result()
+    if energy is not None:
+        # Per robot's frame, to set beside a single robot's frame.
+        row['energy_mj_per_round'] = energy['mj_per_call']
+        row['energy_mj_per_robot_frame'] = energy['mj_per_call'] / k
+        row['watts'] = energy['watts']
     return row
 
 
@@ -226,21 +254,28 @@ def run(args) -> dict:
                     and x['mode'] == 'fleet'), None)
         if one is not None:
             r['rss_vs_one'] = r['rss_peak_mb'] / one['rss_peak_mb']
+            r['peak_vs_one'] = r['peak_mb'] / one['peak_mb']
             r['held_vs_one'] = r['held_mb'] / one['held_mb']
     return dict(rows=rows, fresh=args.fresh)
 
 
 def table(rows) -> str:
+    """The rows as markdown; peak memory is RSS on a CPU, peak allocated on CUDA, and energy
+    (mJ per robot's frame, from the GPU's counter) shows where there is one."""
+    energy = any('energy_mj_per_robot_frame' in r for r in rows)
     lines = ['| mode | robots | T | action Hz (all) | vs sliced | chunk latency p50 | p99 '
-             '| tokens/s | peak RSS MB | x 1 robot | weights+KV MB | x 1 robot |',
-             '|---|---|---|---|---|---|---|---|---|---|---|---|']
+             '| tokens/s | peak MB | x 1 robot | weights+KV MB | x 1 robot |'
+             + (' mJ per robot frame |' if energy else ''),
+             '|---|---|---|---|---|---|---|---|---|---|---|---|' + ('---|' if energy else '')]
     for r in rows:
+        e = r.get('energy_mj_per_robot_frame')
         lines.append(
             f"| {r['mode']} | {r['robots']} | {r['T']} | {r['action_hz']:.1f} | "
             f"{r.get('vs_sliced', float('nan')):.2f}x | {r['latency_ms_p50']:.1f} | "
-            f"{r['latency_ms_p99']:.1f} | {r['tokens_per_s']:.0f} | {r['rss_peak_mb']:.0f} | "
-            f"{r.get('rss_vs_one', float('nan')):.2f}x | {r['held_mb']:.1f} | "
-            f"{r.get('held_vs_one', float('nan')):.2f}x |")
+            f"{r['latency_ms_p99']:.1f} | {r['tokens_per_s']:.0f} | {r['peak_mb']:.0f} | "
+            f"{r.get('peak_vs_one', float('nan')):.2f}x | {r['held_mb']:.1f} | "
+            f"{r.get('held_vs_one', float('nan')):.2f}x |"
+            + ((f' {e:.0f} |' if e is not None else ' |') if energy else ''))
     return '\n'.join(lines)
 
 
