@@ -312,3 +312,36 @@ def test_a_robot_that_does_not_fit_is_an_error_naming_it(tmp_path, domain, right
     assert out.returncode == 1, out.stderr
     assert message in out.stderr, out.stderr
     assert 'Traceback' not in out.stderr + out.stdout
+
+
+def test_a_limit_hold_holds_only_that_robot(tmp_path):
+    """Right's chunks lie far beyond its joint limits (the identity profile, so targets are
+    the model's actions, and each arm joint may move only +-0.001 around where it stands;
+    the shipped hold margin): right is only ever held at its measured positions and says so
+    in its name, while left, on the same engine and frames, is commanded as usual."""
+    from test_node_limits import LIMITS
+
+    right = {'prompt': 'stack the blocks', 'robot': 'identity', 'profile_options': '',
+             'joint_limits': {'arm': LIMITS}}
+    domain = str(random.randint(1, 230))
+    with node_process(tmp_path, dict(FLEET, right=right), domain, 'fleet_limits',
+                      Robots) as (proc, f):
+        assert wait_for(lambda: len(f.traj['left']) > 20 or proc.poll() is not None, 90), \
+            f.log()[-3000:]
+        said = 'robot right: holding: joint limits: arm/fr3_joint'
+        assert wait_for(lambda: said in f.log(), 10), f.log()[-3000:]
+        t = time.monotonic()
+        assert keeps_commanding(f.traj['left'], PARAMS['control_rate_hz'],
+                                lambda: proc.poll() is None), f.log()[-3000:]
+        held = [m for at, m in list(f.traj['right']) if at >= t]
+        assert len(held) >= 3, len(held)  # about one hold per chunk
+        measured = [0.1 * i for i in range(len(JOINTS))][:7]
+        for m in held:
+            assert len(m.points) == 1 and list(m.points[0].positions) == pytest.approx(
+                measured), m
+        moved = [m for at, m in list(f.traj['left']) if at >= t and len(m.points) > 1]
+        assert len(moved) > 50, len(moved)
+        assert 'robot left: holding' not in f.log(), f.log()[-3000:]
+        d = f.fresh_diag('right')[2]
+        assert int(d['limit_holds']) > 0 and d['published'] == '0', d
+        assert int(f.fresh_diag('left')[2]['limit_holds']) == 0
