@@ -14,6 +14,7 @@ configured and activated: it takes left and right over.
 import importlib.util
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ def sim_params(share):
     return yaml.safe_load((share / 'config' / 'sim.yaml').read_text())['/**']['ros__parameters']
 
 
-def transports(sim, cameras):
+def transports(cameras):
     """(sim robot, node) parameters for TRANSPORT."""
     if TRANSPORT == 'raw':
         return {}, {}
@@ -84,7 +85,7 @@ def site(tmp_path_factory):
     table = fleet_file.load(share / 'config' / 'fleet_hosts.yaml')
     assert set(table) == set(SERVERS), table
     sim = dict(sim_params(share), camera_rate_hz=CAMERA_HZ)
-    sim_extra, node_extra = transports(sim, sim['cameras'])
+    sim_extra, node_extra = transports(sim['cameras'])
     profile = tmp / 'fastdds_udp.xml'
     profile.write_text(hosts.FASTDDS_UDP)
     # Its own subnet and bridge: no other DDS traffic reaches these hosts, any domain will do.
@@ -94,7 +95,7 @@ def site(tmp_path_factory):
         s = Site(net, tmp, sim, table)
         logs = []
 
-        def start(host, name, argv, stdin=False):
+        def start(host, name, argv):
             log = open(tmp / f'{name}.log', 'w')
             logs.append(log)
             s.procs[name] = net.run(host, argv, env, log)
@@ -117,7 +118,7 @@ def site(tmp_path_factory):
                                '-r', f'__node:={name}'])
         robots = [r for rs in table.values() for r in rs]
         s.listen = hosts.Listener(net.run('robots', hosts.agent_argv(
-            robots, sim['outputs']['arm']['topic']), env, hosts.subprocess.PIPE))
+            robots, sim['outputs']['arm']['topic']), env, subprocess.PIPE))
         up = wait_for(lambda: all(len(s.listen.arrivals(r)) > 20 for r in robots)
                       or any(p.poll() is not None for p in s.procs.values()), 90)
         dead = [n for n, p in s.procs.items() if p.poll() is not None]
@@ -194,7 +195,7 @@ def test_stopping_one_server_holds_its_robots_the_other_goes_on(site):
     a.send_signal(signal.SIGINT)
     try:
         code = a.wait(20)
-    except hosts.subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:
         code = 'still running'
     assert code == 0, (code, site.tails('oxygen_node_gpu_a'))
     time.sleep(0.5)  # anything still on the wire
@@ -253,7 +254,7 @@ def test_a_standby_takes_the_stopped_servers_robots_over(site):
 
 
 @pytest.mark.skipif(not HAVE_LAUNCH, reason=NO_LAUNCH)
-def test_fleet_launch_takes_a_servers_robots_from_the_fleet_file(tmp_path):
+def test_fleet_launch_takes_a_servers_robots_from_the_fleet_file():
     # ruff would file `launch` under this repository's launch/ folder and sort it last.
     from launch import LaunchContext  # noqa: I001
     from launch_ros.utilities import evaluate_parameters
@@ -291,3 +292,31 @@ def test_fleet_launch_takes_a_servers_robots_from_the_fleet_file(tmp_path):
         described(fleet_file=str(fleet), server='gpu_a', standby='true', autostart='true')
     with pytest.raises(ValueError, match='go together'):
         described(server='gpu_a')
+
+
+@pytest.mark.parametrize('doc, message', [
+    ({'servers': {'a': ['left'], 'b': ['left', 'right']}},
+     'robot left is on a and b; a robot is commanded by one server'),
+    ({'servers': {'a': []}}, 'server a lists no robots'),
+    ({'servers': {'a': ['left-arm']}}, "server a: robot 'left-arm' is not a plain name"),
+    ({'servers': {'gpu a': ['left']}}, "server 'gpu a' is not a plain name"),
+    ({'robots': ['left']}, 'needs a `servers` mapping'),
+    (['left'], 'needs a `servers` mapping'),
+])
+def test_a_fleet_file_that_is_wrong_says_what(doc, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fleet_file.servers(doc, 'f.yaml')
+
+
+def test_a_fleet_file_names_each_servers_robots_and_node(tmp_path):
+    path = tmp_path / 'fleet.yaml'
+    path.write_text('servers:\n  gpu_a: [left, right]\n  gpu_b: third\n')
+    assert fleet_file.load(path) == {'gpu_a': ['left', 'right'], 'gpu_b': ['third']}
+    assert fleet_file.robots_of(path, 'gpu_b') == ['third']
+    assert fleet_file.node_name('gpu_b') == 'oxygen_node_gpu_b'
+    assert fleet_file.node_name('gpu_a', standby=True) == 'oxygen_node_gpu_a_standby'
+    with pytest.raises(ValueError, match="no server 'gpu_c' \\(it has gpu_a, gpu_b\\)"):
+        fleet_file.robots_of(path, 'gpu_c')
+    path.write_text('servers: [oops')
+    with pytest.raises(ValueError, match='fleet file .*fleet.yaml: '):
+        fleet_file.load(path)
