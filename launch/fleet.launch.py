@@ -10,6 +10,15 @@ device and autostart override both when given. With sim:=true one oxygen_sim_rob
 robot runs in the robot's namespace on the same robot file. Robots with files of their own:
 a params file with `robots` and `<robot>.robot_file` given to pi05.launch.py's params_file
 (docs/robots.md, "A fleet").
+
+Past one GPU host, a fleet file names each server's robots (oxygen_ros/fleet_file.py):
+
+    ros2 launch oxygen_ros fleet.launch.py fleet_file:=fleet.yaml server:=gpu_a
+    ros2 launch oxygen_ros fleet.launch.py fleet_file:=fleet.yaml server:=gpu_a standby:=true
+
+The first runs oxygen_node_gpu_a for gpu_a's robots (robots:= is then not used); the second
+a standby for them, oxygen_node_gpu_a_standby, which stays unconfigured until configured and
+activated (docs/robots.md, "Robots and servers on different hosts").
 """
 # ruff would file `launch` under this repository's launch/ folder and sort it last.
 import os  # noqa: I001
@@ -20,7 +29,7 @@ from launch import LaunchDescription
 from launch.actions import OpaqueFunction
 from launch_ros.actions import Node
 
-from oxygen_ros import launch_args
+from oxygen_ros import fleet_file, launch_args
 
 
 def robot_names(text: str) -> list[str]:
@@ -32,8 +41,22 @@ def robot_names(text: str) -> list[str]:
 
 
 def nodes(context):
-    arg = launch_args.values(context, 'robots', 'robot', 'sim')
-    robots = robot_names(arg['robots'])
+    arg = launch_args.values(context, 'robots', 'robot', 'sim', 'fleet_file', 'server',
+                             'standby')
+    name = 'oxygen_node'
+    standby = arg['standby'].lower() == 'true'
+    if arg['fleet_file'] or arg['server'] or standby:
+        if not (arg['fleet_file'] and arg['server']):
+            raise ValueError('fleet_file:= and server:= go together (standby:= needs both)')
+        robots = fleet_file.robots_of(arg['fleet_file'], arg['server'])
+        name = fleet_file.node_name(arg['server'], standby)
+        if standby:
+            if arg['autostart'] == 'true':
+                raise ValueError('standby:=true waits for its lifecycle transitions; '
+                                 'autostart:=true would command the robots at once')
+            arg['autostart'] = 'false'
+    else:
+        robots = robot_names(arg['robots'])
     config = os.path.join(get_package_share_directory('oxygen_ros'), 'config')
     robot_file = arg['params_file'] or os.path.join(config, f'{arg["robot"]}.yaml')
     overrides = launch_args.overrides(arg)
@@ -41,7 +64,7 @@ def nodes(context):
     for r in robots:
         fleet[f'{r}.robot_file'] = robot_file
     common = launch_args.process(arg, config)
-    out = [Node(package='oxygen_ros', executable='oxygen_node', name='oxygen_node',
+    out = [Node(package='oxygen_ros', executable='oxygen_node', name=name,
                 parameters=[os.path.join(config, 'pi05.yaml'), robot_file, fleet], **common)]
     if arg['sim'].lower() == 'true':
         out += [Node(package='oxygen_ros', executable='oxygen_sim_robot',
@@ -56,6 +79,11 @@ def generate_launch_description():
             ('robots', 'left,right', 'robot names, comma separated; each one a namespace'),
             ('robot', 'sim', "aloha, droid or sim: config/<robot>.yaml is every robot's robot "
              'file'),
-            ('sim', 'false', 'also start one oxygen_sim_robot per robot, in its namespace')),
+            ('sim', 'false', 'also start one oxygen_sim_robot per robot, in its namespace'),
+            ('fleet_file', '', "servers and their robots (YAML); with server:=, that server's "
+             'robots instead of robots:='),
+            ('server', '', 'the fleet file server this node is: oxygen_node_<server>'),
+            ('standby', 'false', "true: oxygen_node_<server>_standby for the server's robots, "
+             'unconfigured until configured and activated')),
         OpaqueFunction(function=nodes),
     ])
