@@ -127,6 +127,10 @@ PARAMS = (
     Param('camera_topics', None, 'image topic per camera (relative); default <camera>/image_raw',
           'str[]'),
     Param('camera_slots', None, 'model image slot per camera, e.g. base_0_rgb', 'str[]'),
+    Param('camera_transports', None, "per camera 'raw' (sensor_msgs/Image on its topic) or "
+          "'compressed' (sensor_msgs/CompressedImage on <topic>/compressed, as image_transport "
+          "publishes it); [] = a topic ending in /compressed is compressed, the others raw",
+          'str[]', choices=('raw', 'compressed')),
     Param('optional_cameras', None, 'cameras whose slot is masked instead of holding the robot '
           'when they are missing or stale', 'str[]'),
     Param('image_qos', 'sensor_data', 'image subscription QoS', choices=QOS_CHOICES),
@@ -183,9 +187,9 @@ FLEET_PARAMS = (
 FLEET_BY_NAME = {p.name: p for p in FLEET_PARAMS}
 ROBOT_KEYS = ('max_command_horizon', 'play_steps', 'max_future_stamp', 'limit_hold_margin',
               'publish_predicted', 'robot', 'profile_options', 'cameras', 'camera_topics',
-              'camera_slots', 'optional_cameras', 'image_qos', 'joint_topics', 'joint_sources',
-              'joints', 'joint_qos', 'output_groups', 'prompt', 'max_prompt_chars',
-              'control_rate_hz', 'action_rate_hz', 'max_input_age', 'max_skew',
+              'camera_slots', 'camera_transports', 'optional_cameras', 'image_qos',
+              'joint_topics', 'joint_sources', 'joints', 'joint_qos', 'output_groups', 'prompt',
+              'max_prompt_chars', 'control_rate_hz', 'action_rate_hz', 'max_input_age', 'max_skew',
               'narration_every_n_frames')
 
 ENGINE_KEYS = ('model', 'checkpoint', 'normalize', 'conventions', 'asset_id', 'tokenizer',
@@ -345,12 +349,13 @@ class Config:
     p: dict
     groups: list[Group]
     profile: object
-    cameras: dict[str, str]  # camera -> topic
+    cameras: dict[str, str]  # camera -> topic (a compressed camera's ends in /compressed)
     slots: dict[str, str]  # camera -> model image slot
     joint_topics: dict[str, str]  # source -> topic
     joint_map: JointMap
     wanted: dict[str, set[str]]  # source -> joint names read from it
     action_period: float
+    transports: dict[str, str]  # camera -> 'raw' or 'compressed'
     # Per action index, where its measured position is read for a hold: (source, joint).
     hold_sources: dict[int, tuple[str, str]] = field(default_factory=dict)
     limits: JointLimits | None = None
@@ -479,6 +484,7 @@ def _contract(p: dict, groups: list[Group]) -> Config:
                          f'camera_slots ({len(p["camera_slots"])}) must have equal lengths')
     if len(set(p['camera_slots'])) != len(cams):
         raise StartError(f'camera_slots lists a slot twice: {p["camera_slots"]}')
+    topics, transports = _transports(cams, topics, p['camera_transports'])
     unknown = sorted(set(p['optional_cameras']) - set(cams))
     if unknown:
         raise StartError(f'optional_cameras names unknown cameras {unknown}; cameras: {cams}')
@@ -533,4 +539,36 @@ def _contract(p: dict, groups: list[Group]) -> Config:
     _check_horizon(p['max_command_horizon'], period)
     return Config(p, groups, profile, dict(zip(cams, topics, strict=True)),
                   dict(zip(cams, p['camera_slots'], strict=True)), joint_topics, joint_map,
-                  wanted, period, hold_sources)
+                  wanted, period, transports, hold_sources)
+
+
+def compressed_topic(topic: str) -> bool:
+    """Whether `topic` is image_transport's compressed topic of an image."""
+    return topic.rstrip('/').split('/')[-1] == 'compressed'
+
+
+def _transports(cams, topics, given):
+    """The topic each camera is read from and its transport. A compressed camera whose
+    topic is the raw one reads <topic>/compressed, as image_transport names it."""
+    if given and len(given) != len(cams):
+        raise StartError(f'camera_transports names {len(given)} transports for '
+                         f'{len(cams)} cameras: one per camera, or [] for all from the topics')
+    out_topics, transports = [], {}
+    for i, (cam, topic) in enumerate(zip(cams, topics, strict=True)):
+        by_topic = compressed_topic(topic)
+        kind = given[i] if given else ('compressed' if by_topic else 'raw')
+        if kind == 'raw' and by_topic:
+            raise StartError(f'camera_transports says raw for camera {cam}, but its topic '
+                             f'{topic!r} ends in /compressed (sensor_msgs/CompressedImage): '
+                             'say compressed, or give the raw image topic')
+        if kind == 'compressed':
+            from oxygen_ros.images import unavailable
+
+            why = unavailable()
+            if why:
+                raise StartError(f'camera {cam} is compressed, but {why}')
+            if not by_topic:
+                topic = topic.rstrip('/') + '/compressed'
+        out_topics.append(topic)
+        transports[cam] = kind
+    return out_topics, transports

@@ -27,6 +27,7 @@ from rclpy.callback_groups import CallbackGroup
 
 from oxygen_ros.contract import Config, prompt_problem
 from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_rgb
+from oxygen_ros.images import Camera
 from oxygen_ros.limits import describe as describe_limits
 from oxygen_ros.playback import Command, Player, make_chunk
 
@@ -153,7 +154,7 @@ class RobotLink:
 
     def _setup_ros(self):
         from rclpy.qos import QoSProfile, ReliabilityPolicy
-        from sensor_msgs.msg import Image, JointState
+        from sensor_msgs.msg import CompressedImage, Image, JointState
         from std_msgs.msg import Empty, String
         from trajectory_msgs.msg import JointTrajectory
 
@@ -165,9 +166,17 @@ class RobotLink:
         polled = Polled()
         # Only the newest image of a camera is ever used; joint states are taken every
         # control tick, and 50 deep holds 0.1 s of a 500 Hz stream should a tick run late.
-        self.image_subs = [sub(Image, join(pre, topic), lambda m, c=cam: self._on_image(c, m),
-                               qos(cfg.p['image_qos'], 1), callback_group=polled)
-                           for cam, topic in cfg.cameras.items()]
+        # A compressed image is decoded when taken (the engine thread, before a frame), so
+        # only the newest of each camera is; one that does not decode is dropped there.
+        self._decoders = {cam: Camera() for cam, t in cfg.transports.items()
+                          if t == 'compressed'}
+        self.image_subs = [
+            sub(CompressedImage, join(pre, topic), lambda m, c=cam: self._on_compressed(c, m),
+                qos(cfg.p['image_qos'], 1), callback_group=polled)
+            if cam in self._decoders else
+            sub(Image, join(pre, topic), lambda m, c=cam: self._on_image(c, m),
+                qos(cfg.p['image_qos'], 1), callback_group=polled)
+            for cam, topic in cfg.cameras.items()]
         self._joint_subs = [sub(JointState, join(pre, topic),
                                 lambda m, s=src: self._on_joints(s, m),
                                 qos(cfg.p['joint_qos'], 50), callback_group=polled)
@@ -191,7 +200,9 @@ class RobotLink:
         name = node.resolve_topic_name
         self.log.info(
             f'{self.label()}{cfg.p["robot"]} robot, model {cfg.p["model"]}: cameras '
-            + ', '.join(f'{c} <- {name(join(pre, t))}' for c, t in cfg.cameras.items())
+            + ', '.join(f'{c} <- {name(join(pre, t))}'
+                        + (' (compressed)' if c in self._decoders else '')
+                        for c, t in cfg.cameras.items())
             + '; joints <- ' + ', '.join(name(join(pre, t)) for t in cfg.joint_topics.values())
             + '; trajectories -> ' + ', '.join(name(join(pre, g.topic)) for g in cfg.groups)
             + f'; control {cfg.p["control_rate_hz"]:g} Hz, actions every '
@@ -287,13 +298,27 @@ class RobotLink:
     def _on_image(self, cam: str, msg):
         why = image_problem(msg)
         if why:
-            self.reporter.report(problem_key(f'image:{cam}', why),
-                                 f'camera {cam}: {why}; image dropped, the last good one is kept')
+            self._dropped(cam, why)
             return
         t = self._stamp(msg.header, f'camera {cam}')
         if t is None:
             return
         self.assembler.put(cam, msg, t)
+
+    def _on_compressed(self, cam: str, msg):
+        t = self._stamp(msg.header, f'camera {cam}')
+        if t is None:
+            return
+        try:
+            rgb = self._decoders[cam].decode(msg.format, msg.data)
+        except ValueError as e:
+            self._dropped(cam, str(e))
+            return
+        self.assembler.put(cam, rgb, t)
+
+    def _dropped(self, cam: str, why: str):
+        self.reporter.report(problem_key(f'image:{cam}', why),
+                             f'camera {cam}: {why}; image dropped, the last good one is kept')
 
     def _on_joints(self, src: str, msg):
         topic = self.cfg.joint_topics[src]
@@ -413,7 +438,9 @@ class RobotLink:
         images = {slot: None for slot in slots}
         for cam, slot in self.cfg.slots.items():
             msg = frame.values.get(cam)
-            if msg is not None:
+            if isinstance(msg, np.ndarray):  # a compressed camera's, decoded when taken
+                images[slot] = msg
+            elif msg is not None:
                 try:
                     images[slot] = image_to_rgb(msg)
                 except ValueError as e:

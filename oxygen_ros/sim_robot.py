@@ -23,11 +23,12 @@ from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from rclpy.signals import SignalHandlerOptions
-from sensor_msgs.msg import Image, JointState
+from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory
 
-from oxygen_ros.contract import is_limit
+from oxygen_ros.contract import compressed_topic, is_limit
+from oxygen_ros.images import encode, unavailable
 from oxygen_ros.limits import JointLimits, parse_limits
 
 PARAMS = {
@@ -40,6 +41,12 @@ PARAMS = {
     'image_width': (320, 'published image width'),
     'image_height': (240, 'published image height'),
     'image_encoding': ('rgb8', 'rgb8, bgr8, rgba8, bgra8 or mono8'),
+    'image_transport': ('raw', "raw: sensor_msgs/Image on each camera topic; compressed: "
+                        "sensor_msgs/CompressedImage on <camera topic>/compressed, as "
+                        "image_transport's compressed plugin publishes it"),
+    'image_format': ('jpeg', 'jpeg or png, with image_transport compressed'),
+    'jpeg_quality': (95, '1..100, image_transport\'s default 95'),
+    'png_level': (3, '0..9, image_transport\'s default 3'),
     'camera_rate_hz': (30.0, 'image rate per camera'),
     'joint_rate_hz': (100.0, 'joint state rate per topic'),
     'follow_time_s': (0.05, 'time constant of the joints following their targets'),
@@ -86,7 +93,12 @@ class SimRobot(Node):
 
         cams = p['cameras']
         topics = p['camera_topics'] or [f'{c}/image_raw' for c in cams]
-        self.image_pubs = [self.create_publisher(Image, t, qos_profile_sensor_data)
+        self.compress = compression(p)
+        if self.compress:
+            topics = [t if compressed_topic(t) else t.rstrip('/') + '/compressed'
+                      for t in topics]
+        self.image_pubs = [self.create_publisher(CompressedImage if self.compress else Image, t,
+                                                 qos_profile_sensor_data)
                            for t in topics]
         self.joint_pubs = {s: self.create_publisher(JointState, t, qos_profile_sensor_data)
                            for s, t in zip(sources, p['joint_topics'], strict=True)}
@@ -130,8 +142,9 @@ class SimRobot(Node):
         self.create_timer(p['report_every_s'], self._report)
         self._last_step = time.monotonic()
         self._since = time.monotonic()
+        how = f' as {self.compress[0]} on */compressed' if self.compress else ''
         self.get_logger().info(
-            f'sim robot: {len(cams)} cameras {w}x{h} {p["image_encoding"]} at '
+            f'sim robot: {len(cams)} cameras {w}x{h} {p["image_encoding"]}{how} at '
             f'{p["camera_rate_hz"]:g} Hz, {len(self.joints)} joints at {p["joint_rate_hz"]:g} Hz,'
             f' following {list(self.groups)}')
 
@@ -222,13 +235,17 @@ class SimRobot(Node):
             cx = int((0.5 + 0.4 * np.tanh(a)) * (w - 1))
             cy = h // 2
             img[max(0, cy - h // 8):cy + h // 8, max(0, cx - w // 8):cx + w // 8] = (255, 40, 40)
-            msg = Image()
+            data = _encode(img, enc)
+            if self.compress:
+                msg = CompressedImage()
+                msg.format, msg.data = encode(data, enc, *self.compress)
+            else:
+                msg = Image()
+                msg.height, msg.width, msg.encoding = h, w, enc
+                msg.step = data.shape[1] * (data.shape[2] if data.ndim == 3 else 1)
+                msg.data = data.tobytes()
             msg.header.stamp = stamp
             msg.header.frame_id = f'camera_{i}'
-            msg.height, msg.width, msg.encoding = h, w, enc
-            data = _encode(img, enc)
-            msg.step = data.shape[1] * (data.shape[2] if data.ndim == 3 else 1)
-            msg.data = data.tobytes()
             pub.publish(msg)
 
     def _report(self):
@@ -252,6 +269,27 @@ def follow(q, target, dt, time_constant, max_speed, lower=-np.inf, upper=np.inf)
     step = (target - q) * min(1.0, dt / max(time_constant, 1e-3))
     limit = np.where(np.asarray(max_speed) > 0, max_speed, np.inf) * dt
     return np.clip(q + np.clip(step, -limit, limit), lower, upper)
+
+
+def compression(p: dict) -> tuple[str, int] | None:
+    """(format, its quality or level) for image_transport compressed, None for raw;
+    ValueError for a bad setting."""
+    if p['image_transport'] == 'raw':
+        return None
+    if p['image_transport'] != 'compressed':
+        raise ValueError(f'image_transport must be raw or compressed, got '
+                         f'{p["image_transport"]!r}')
+    fmt = p['image_format']
+    if fmt not in ('jpeg', 'png'):
+        raise ValueError(f'image_format must be jpeg or png, got {fmt!r}')
+    key, low, high = ('jpeg_quality', 1, 100) if fmt == 'jpeg' else ('png_level', 0, 9)
+    value = p[key]
+    if not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f'{key} must be an integer in {low}..{high}, got {value!r}')
+    why = unavailable()
+    if why:
+        raise ValueError(f'image_transport compressed: {why}')
+    return fmt, value
 
 
 def _encode(rgb: np.ndarray, encoding: str) -> np.ndarray:

@@ -1,0 +1,290 @@
+"""Camera images that come compressed (sensor_msgs/CompressedImage), decoded to RGB.
+
+image_transport's compressed plugin (ros-perception/image_transport_plugins,
+compressed_image_transport/src/compressed_publisher.cpp; read at commit 7404d772b66f, the
+rolling branch Jazzy's 4.0 release was cut from) publishes `<topic>/compressed` with
+`format` = the raw image's encoding, then what it compressed:
+
+    <encoding>; jpeg compressed bgr8    colour images (8 or 16 bit), as 8-bit BGR
+    <encoding>; jpeg compressed mono8   everything else with 8 or 16 bits (mono, Bayer, YUV)
+    <encoding>; png compressed bgr8     8-bit colour (rgba8/bgra8 lose alpha)
+    <encoding>; png compressed bgr16    16-bit colour
+    <encoding>; png compressed          (trailing space) not colour: kept as it is, 8 or 16 bit
+    <encoding>; tiff compressed         the raw image as it is
+    jpeg / png                          older versions: 3 channels are BGR, 1 is mono
+
+compressed_depth_image_transport writes `<encoding>; compressedDepth [png|rvl]`: depth, not
+colour, refused like a raw 16UC1 image. Everything else is refused too, and so is a payload
+that is empty, not what its format says, cut short, corrupt, or of another size than the
+camera sent before: decoding errors must not become a wrong image.
+
+cv_bridge's compressed_imgmsg_to_cv2 decodes where cv_bridge is installed, else OpenCV's
+cv2.imdecode (what cv_bridge calls itself); with neither, compressed cameras are refused at
+configure. Nothing here imports ROS.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from oxygen_ros.frames import BRIDGE_ENCODINGS, ENCODINGS, NOT_COLOUR, bridge, image_to_rgb
+
+# What the publisher calls colour (sensor_msgs image_encodings isColor).
+COLOUR = ('rgb8', 'bgr8', 'rgba8', 'bgra8', 'rgb16', 'bgr16', 'rgba16', 'bgra16')
+MAGIC = {'jpeg': (b'\xff\xd8\xff',), 'png': (b'\x89PNG\r\n\x1a\n',),
+         'tiff': (b'II*\x00', b'MM\x00*')}
+PNG_END = b'\x00\x00\x00\x00IEND\xaeB`\x82'
+# A header promising more than this is refused before decoding allocates for it
+# (8192 x 4096: 100 MB as RGB).
+MAX_PIXELS = 8192 * 4096
+FORMAT = re.compile(r'(?P<enc>[^;]*); (?P<codec>jpeg|png|tiff) compressed ?(?P<packed>\S*)')
+# What each codec may hold, per the publisher.
+PACKED = {'jpeg': ('bgr8', 'mono8'), 'png': ('bgr8', 'bgr16', ''), 'tiff': ('',)}
+# Channels and bits of the raw encodings a png or tiff of the image as it was decodes to (a
+# png holds 1, 3 or 4 channels: not YUV 4:2:2's 2, which the publisher fails to compress).
+LAYOUT = {'rgb8': (3, 8), 'bgr8': (3, 8), 'rgba8': (4, 8), 'bgra8': (4, 8), 'mono8': (1, 8),
+          'rgb16': (3, 16), 'bgr16': (3, 16), 'rgba16': (4, 16), 'bgra16': (4, 16),
+          'mono16': (1, 16),
+          **{f'bayer_{p}{b}': (1, b) for p in ('rggb', 'bggr', 'gbrg', 'grbg') for b in (8, 16)}}
+
+
+@dataclass(frozen=True)
+class Format:
+    encoding: str  # the raw image's; '' for the older plain formats
+    codec: str  # jpeg, png or tiff
+    packed: str  # what was compressed: bgr8, bgr16, mono8, '' (as it was)
+
+
+def parse_format(text: str) -> Format:
+    """The parts of a CompressedImage `format`, or ValueError saying why it is not one this
+    module decodes."""
+    if text in ('jpeg', 'png'):
+        return Format('', text, '')
+    if 'compressedDepth' in text:
+        return _refuse(f'{text!r} is a compressed depth image (compressed_depth_image_transport'
+                       '), not colour')
+    m = FORMAT.fullmatch(text)
+    if m is None:
+        return _refuse(f'unknown compressed image format {text!r}; expected image_transport\'s '
+                       "'<encoding>; jpeg|png|tiff compressed <target>', or 'jpeg' / 'png'")
+    enc, codec, packed = m['enc'], m['codec'], m['packed']
+    if NOT_COLOUR.fullmatch(enc):
+        return _refuse(f'format {text!r}: {enc} is a depth or single-value image, not colour')
+    if enc not in ENCODINGS and enc not in BRIDGE_ENCODINGS:
+        return _refuse(f'format {text!r}: unknown image encoding {enc!r}')
+    if packed not in PACKED[codec]:
+        return _refuse(f'format {text!r}: image_transport writes {codec} as '
+                       + ' or '.join(repr(p) for p in PACKED[codec]) + f', not {packed!r}')
+    colour = enc in COLOUR
+    if (packed.startswith('bgr') and not colour) or (packed in ('mono8', '') and colour
+                                                     and codec != 'tiff'):
+        return _refuse(f'format {text!r}: a {enc} image is not compressed as {packed!r}')
+    if packed == 'bgr16' and not enc.endswith('16'):
+        return _refuse(f'format {text!r}: an 8-bit {enc} image is not compressed as bgr16')
+    if packed == '' and enc not in LAYOUT:
+        return _refuse(f'format {text!r}: a {codec} of a {enc} image is not decoded; '
+                       'supported: ' + ', '.join(LAYOUT))
+    return Format(enc, codec, packed)
+
+
+def _refuse(why: str):
+    raise ValueError(why)
+
+
+def unavailable() -> str | None:
+    """Why compressed images cannot be decoded here, or None."""
+    try:
+        import cv2  # noqa: F401
+    except ImportError:
+        return ('decoding it needs OpenCV (cv2), which is not installed: apt install '
+                'python3-opencv, or pip install opencv-python-headless==4.11.0.86')
+    return None
+
+
+def _kind(data: bytes) -> str | None:
+    return next((k for k, sigs in MAGIC.items() if data.startswith(sigs)), None)
+
+
+def header_size(codec: str, data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's or PNG's header without decoding it; None for tiff.
+    ValueError when the header is not there."""
+    if codec == 'png':
+        if len(data) < 24 or data[12:16] != b'IHDR':
+            raise ValueError('PNG without its IHDR header')
+        return int.from_bytes(data[16:20], 'big'), int.from_bytes(data[20:24], 'big')
+    if codec != 'jpeg':
+        return None
+    # Walk the marker segments up to the frame header (SOFn), which holds the size.
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            break
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length
+            i += 2
+            continue
+        if marker == 0xDA:  # scan data before any frame header
+            break
+        length = int.from_bytes(data[i + 2:i + 4], 'big')
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            if i + 9 > n:
+                break
+            return int.from_bytes(data[i + 7:i + 9], 'big'), int.from_bytes(data[i + 5:i + 7],
+                                                                             'big')
+        i += 2 + length
+    raise ValueError('JPEG without a readable frame header (SOF)')
+
+
+def check_payload(fmt: Format, data: bytes) -> tuple[int, int] | None:
+    """ValueError unless `data` looks like a whole image of `fmt`'s codec; returns its size
+    from the header (None for tiff). Cheap: no decoding."""
+    if not data:
+        raise ValueError(f'empty {fmt.codec} payload')
+    name = fmt.codec.upper()
+    kind = _kind(data)
+    if kind != fmt.codec:
+        what = f'a {kind.upper()}' if kind else f'not a {name} (it starts {data[:4].hex()})'
+        raise ValueError(f'the format says {fmt.codec} but the {len(data)}-byte payload is '
+                         f'{what}')
+    if fmt.codec == 'jpeg' and not data.rstrip(b'\x00').endswith(b'\xff\xd9'):
+        raise ValueError(f'the {len(data)}-byte JPEG has no end-of-image marker: cut short')
+    if fmt.codec == 'png' and not data.endswith(PNG_END):
+        raise ValueError(f'the {len(data)}-byte PNG has no IEND chunk at its end: cut short')
+    size = header_size(fmt.codec, data)
+    if size is not None and (min(size) <= 0 or size[0] * size[1] > MAX_PIXELS):
+        raise ValueError(f'{name} header says {size[0]}x{size[1]} pixels (at most '
+                         f'{MAX_PIXELS} taken)')
+    return size
+
+
+def _imdecode(data: bytes, via: str):
+    import cv2
+
+    if via == 'cv_bridge':
+        b = bridge()
+        if b is None:
+            raise ValueError('cv_bridge is not installed')
+        try:
+            return b.compressed_imgmsg_to_cv2(SimpleNamespace(data=data), 'passthrough')
+        except Exception as e:  # cv_bridge and OpenCV raise their own error types
+            raise ValueError(f'cv_bridge cannot decode it: {e}') from None
+    try:
+        return cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    except cv2.error as e:
+        raise ValueError(f'OpenCV cannot decode it: {e}') from None
+
+
+def to_8bit(px: np.ndarray) -> np.ndarray:
+    """16-bit values scaled to 8 as cv_bridge scales them (x * 255 / 65535, rounded), so a
+    16-bit PNG gives what the same raw 16-bit image gives through cv_bridge."""
+    return ((px.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+
+
+def decode(fmt_text: str, data, via: str = 'auto') -> np.ndarray:
+    """HxWx3 uint8 RGB from a CompressedImage's `format` and `data`, or ValueError.
+
+    `via`: 'cv_bridge', 'cv2', or 'auto' (cv_bridge where installed)."""
+    fmt = parse_format(fmt_text)
+    data = bytes(data)
+    return _decode(fmt, fmt_text, data, check_payload(fmt, data), via)
+
+
+def _decode(fmt: Format, fmt_text: str, data: bytes, size, via: str) -> np.ndarray:
+    import cv2
+
+    if via == 'auto':
+        via = 'cv_bridge' if bridge() is not None else 'cv2'
+    px = _imdecode(data, via)
+    if px is None or px.size == 0:
+        raise ValueError(f'the {len(data)}-byte {fmt.codec.upper()} is corrupt: it does not '
+                         'decode')
+    h, w = px.shape[:2]
+    if size is not None and size != (w, h):
+        raise ValueError(f'decoded {w}x{h}, its header says {size[0]}x{size[1]}')
+    channels = 1 if px.ndim == 2 else px.shape[2]
+    bits = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16}.get(px.dtype)
+    # What the format says the decoded image must be: channels, bits, and its channel order.
+    if not fmt.encoding:  # older plain 'jpeg' / 'png'
+        want, want_bits = (channels if channels in (1, 3) else 3), 8
+        order = 'bgr' if want == 3 else 'mono'
+    elif fmt.packed.startswith('bgr'):
+        want, want_bits, order = 3, int(fmt.packed[3:]), 'bgr'
+    elif fmt.packed == 'mono8':
+        want, want_bits, order = 1, 8, 'mono'
+    else:  # a png or tiff of the raw image as it was
+        want, want_bits = LAYOUT[fmt.encoding]
+        order = re.sub(r'\d+$', '', fmt.encoding)
+    if channels != want or bits != want_bits:
+        raise ValueError(f'format {fmt_text!r} but the {fmt.codec.upper()} decodes to '
+                         f'{channels} channel(s) of {px.dtype}, not {want} of '
+                         f'{want_bits}-bit values')
+    if order.startswith('bayer'):
+        # The raw image itself: converted exactly as the raw path converts it (cv_bridge).
+        raw = SimpleNamespace(encoding=fmt.encoding, height=h, width=w, step=w * px.itemsize,
+                              is_bigendian=0, data=np.ascontiguousarray(px).tobytes())
+        return image_to_rgb(raw)
+    if bits == 16:
+        px = to_8bit(px)
+    code = {'mono': cv2.COLOR_GRAY2RGB, 'rgb': None, 'bgr': cv2.COLOR_BGR2RGB,
+            'rgba': cv2.COLOR_RGBA2RGB, 'bgra': cv2.COLOR_BGRA2RGB}[order]
+    out = px if code is None else cv2.cvtColor(px, code)
+    return np.array(out, dtype=np.uint8, order='C')
+
+
+def encode(px: np.ndarray, encoding: str, codec: str, value: int) -> tuple[str, bytes]:
+    """(format, data) of a CompressedImage as image_transport's compressed plugin makes it
+    from an 8-bit raw image `px` in `encoding` (rgb8, bgr8, rgba8, bgra8, mono8): colour is
+    compressed as BGR, mono as it is; `value` is the jpeg quality or the png level."""
+    import cv2
+
+    if encoding == 'mono8':
+        packed, target = ('mono8' if codec == 'jpeg' else ''), px
+    else:
+        packed = 'bgr8'
+        code = {'rgb8': cv2.COLOR_RGB2BGR, 'rgba8': cv2.COLOR_RGBA2BGR,
+                'bgra8': cv2.COLOR_BGRA2BGR}.get(encoding)
+        target = px if code is None else cv2.cvtColor(px, code)
+    if codec == 'jpeg':
+        ok, data = cv2.imencode('.jpg', target, [cv2.IMWRITE_JPEG_QUALITY, value])
+    else:
+        ok, data = cv2.imencode('.png', target, [cv2.IMWRITE_PNG_COMPRESSION, value])
+    if not ok:
+        raise ValueError(f'cv2.imencode ({codec}) failed')
+    return f'{encoding}; {codec} compressed {packed}', data.tobytes()
+
+
+class Camera:
+    """One compressed camera's decoding: every image must have the size of the first good
+    one (a camera does not change its resolution while the node runs; an image that does
+    is a broken one, and the model would see another scene scale)."""
+
+    def __init__(self, via: str = 'auto'):
+        self.via = via
+        self.size: tuple[int, int] | None = None  # (width, height) of the first good image
+
+    def decode(self, fmt_text: str, data) -> np.ndarray:
+        fmt = parse_format(fmt_text)
+        data = bytes(data)
+        size = check_payload(fmt, data)
+        # From the header: a payload of another size is not even decoded.
+        if size is not None and self.size is not None and size != self.size:
+            raise self._resized(size)
+        rgb = _decode(fmt, fmt_text, data, size, self.via)
+        got = (rgb.shape[1], rgb.shape[0])
+        if self.size is None:
+            self.size = got
+        elif got != self.size:
+            raise self._resized(got)
+        return rgb
+
+    def _resized(self, got):
+        return ValueError(f'{got[0]}x{got[1]} image, but this camera sent '
+                          f'{self.size[0]}x{self.size[1]} before (reconfigure the node to '
+                          'take a new resolution)')
