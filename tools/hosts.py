@@ -2,7 +2,7 @@
 """Hosts on one machine: network namespaces joined by veth pairs to a bridge, so ROS 2
 processes in different namespaces talk DDS over a real (virtual) Ethernet link.
 
-    sudo python tools/hosts.py measure [--seconds 20] [--one-host]
+    sudo python tools/hosts.py measure [--seconds 20] [--one-host] [--transport compressed]
 
 measures oxygen_node (tiny model) commanding two oxygen_sim_robots across the link: the
 robots on one host, the node on another; --one-host puts both on one host with the shipped
@@ -353,7 +353,7 @@ def write_params(path: Path, params: dict) -> str:
 
 # -- measure: the numbers docs/robots.md quotes ----------------------------------------------
 
-def measure(seconds: float, one_host: bool):
+def measure(seconds: float, one_host: bool, transport: str = 'raw'):
     import numpy as np
     import yaml
     from ament_index_python.packages import get_package_share_directory
@@ -362,6 +362,10 @@ def measure(seconds: float, one_host: bool):
     sim = yaml.safe_load((share / 'config' / 'sim.yaml').read_text())['/**']['ros__parameters']
     robots = ['left', 'right']
     node = dict(sim, model='tiny', device='cpu', robots=robots, report_period=1.0)
+    robot = dict(sim, report_every_s=1.0)
+    if transport != 'raw':  # the sim robots send what image_transport would, the node reads it
+        robot['image_transport'] = transport
+        node['camera_transports'] = [transport] * len(sim['cameras'])
     tmp = Path(tempfile.mkdtemp(prefix='hosts_measure_'))
     profile = share / 'config' / 'fastdds.xml'
     if not one_host:
@@ -378,7 +382,7 @@ def measure(seconds: float, one_host: bool):
                         write_params(tmp / 'node.yaml', node)], env, logs['node'])
         for r in robots:
             hosts.run('robots', [str(lib / 'oxygen_sim_robot'), '--ros-args', '--params-file',
-                                 write_params(tmp / 'sim.yaml', dict(sim, report_every_s=1.0)),
+                                 write_params(tmp / 'sim.yaml', robot),
                                  '-r', f'__ns:=/{r}'], env, logs[r])
         listen = Listener(hosts.run('robots', agent_argv(robots, sim['outputs']['arm']['topic']),
                                     env, subprocess.PIPE))
@@ -393,7 +397,7 @@ def measure(seconds: float, one_host: bool):
         span = time.monotonic() - t0
         rates = {r: (len(listen.arrivals(r)) - n0[r]) / span for r in robots}
         print(f'{"one host (shared memory)" if one_host else "across the link (UDP)"}, '
-              f'{seconds:g} s:')
+              f'{transport} images, {seconds:g} s:')
         for r in robots:
             d = listen.diag.get(f'oxygen_node: {r}', {}).get('values', {})
             print(f'  {r}: trajectories at the robot {rates[r]:.1f} Hz; node: action latency '
@@ -426,6 +430,8 @@ def main(argv=None):
     m = sub.add_parser('measure')
     m.add_argument('--seconds', type=float, default=20.0)
     m.add_argument('--one-host', action='store_true')
+    m.add_argument('--transport', choices=('raw', 'compressed'), default='raw',
+                   help="the sim robots' image_transport (compressed: JPEG)")
     args = ap.parse_args(argv)
     if args.cmd == 'agent':
         agent(args.robots.split(','), args.topic, args.joints_every)
@@ -433,7 +439,7 @@ def main(argv=None):
         why = why_not()
         if why:
             sys.exit(why)
-        measure(args.seconds, args.one_host)
+        measure(args.seconds, args.one_host, args.transport)
 
 
 if __name__ == '__main__':
