@@ -16,7 +16,6 @@ from where the joints were when the trajectory arrived, and holds the last point
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -40,6 +39,10 @@ CAMERAS = {'cam_high': 'top', 'cam_low': 'angle', 'cam_left_wrist': 'left_wrist'
            'cam_right_wrist': 'right_wrist'}
 DT = 0.02
 SUCCESS_REWARD = 4
+
+
+class Unstable(RuntimeError):
+    """The physics diverged (MuJoCo's bad-acceleration warning): the episode is over."""
 
 
 def normalized_from_gripper(angle):
@@ -144,7 +147,7 @@ class Controller:
         k = int(np.searchsorted(tr.times, t, side='right'))  # first point after t
         if k == 0:
             ta, pa, va = tr.t0, tr.p0, tr.v0
-            if t < ta:  # a trajectory stamped ahead: the joints wait where they were
+            if t < ta:  # before it arrived (not sampled so)
                 return tr.p0
         else:
             ta, pa = tr.times[k - 1], tr.pos[k - 1]
@@ -193,6 +196,8 @@ class AlohaSim:
                 jid = model.name2id(f'vx300s_{side}/{j}', 'joint')
                 self.qpos_index[(side, j)] = int(model.jnt_qposadr[jid])
         self.steps = 0
+        # MuJoCo's time restarts at 0 on a reset; the simulation's clock (/clock) must not.
+        self._offset = 0.0
         self.reset(0)
 
     def joint_range(self, side: str, joint: str) -> tuple[float, float]:
@@ -210,13 +215,16 @@ class AlohaSim:
         else:
             pose = sample_box_pose(seed)
         self._tasks.BOX_POSE[0] = pose
+        before = self.time
         self.task.initialize_episode(self.physics)
+        self._offset = before - float(self.physics.data.time)
         self.steps = 0
         self.reward = 0.0
 
     @property
     def time(self) -> float:
-        return float(self.physics.data.time)
+        """Simulated seconds since the start, across resets."""
+        return self._offset + float(self.physics.data.time)
 
     def positions(self, side: str) -> np.ndarray:
         """[6 arm joints, left_finger, right_finger] of one follower."""
@@ -236,7 +244,15 @@ class AlohaSim:
         self.physics.set_control(ctrl)
 
     def substep(self, n: int = 1):
-        self.physics.step(n)
+        """Raises Unstable where MuJoCo gave up on the state (it resets it then)."""
+        from dm_control.rl.control import PhysicsError
+
+        before = self.time
+        try:
+            self.physics.step(n)
+        except PhysicsError as e:
+            self._offset = before - float(self.physics.data.time)
+            raise Unstable(f'{e} at {self.time:.3f} s') from None
 
     def end_step(self) -> float:
         """After a step's substeps: the task's reward (0..4, 4 = success)."""
@@ -260,7 +276,3 @@ class AlohaSim:
     def state(self) -> np.ndarray:
         """The ALOHA profile's 14-d state: [6 joints, left_finger (m)] per side."""
         return np.concatenate([self.positions(s)[:7] for s in SIDES])
-
-
-def finite(values) -> bool:
-    return all(math.isfinite(float(x)) for x in values)

@@ -36,6 +36,7 @@ from oxygen_ros.aloha_sim import (
     SIDES,
     AlohaSim,
     Controller,
+    Unstable,
     finger_from_gripper,
     gripper_from_finger,
 )
@@ -90,6 +91,8 @@ class Scene:
         self.sim = AlohaSim(task, width, height)
         self.groups = groups  # group -> (side, kind, joints)
         self.episode = 0
+        self.accepted = 0
+        self.rejected = 0
         self.reset(seed)
 
     def reset(self, seed: int):
@@ -110,13 +113,17 @@ class Scene:
         """'' = accepted; else why not."""
         stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
         if 0 < stamp < self.since:
+            self.rejected += 1
             return (f'stamped {stamp:.3f} s, before the reset at {self.since:.3f} s: '
                     'meant for the previous episode')
         side, kind, _ = self.groups[group]
         try:
-            return self.controllers[group].receive(msg, self.sim.time, *self.measured(side, kind))
+            why = self.controllers[group].receive(msg, self.sim.time, *self.measured(side, kind))
         except (ValueError, TypeError, IndexError) as e:  # a malformed message
-            return f'{type(e).__name__}: {e}'
+            why = f'{type(e).__name__}: {e}'
+        self.rejected += bool(why)
+        self.accepted += not why
+        return why
 
     def step(self) -> float:
         """One DT: the controllers sampled at each substep. Returns the reward."""
@@ -304,9 +311,14 @@ def main(argv=None):
             if paused:
                 time.sleep(0.005)
                 continue
-            reward = scene.step()
+            try:
+                reward, unstable = scene.step(), False
+            except Unstable as e:  # MuJoCo reset the state: the episode ends, paused
+                log.error(f'episode {scene.episode}: the physics diverged ({e}); it ends here '
+                          'and the simulation pauses until ~/reset')
+                reward, unstable = 0.0, True
             step_in_episode += 1
-            done = episode_steps > 0 and step_in_episode >= episode_steps
+            done = unstable or (episode_steps > 0 and step_in_episode >= episode_steps)
             publish_sensors()
             m = SimStep()
             m.header.stamp = stamp_msg(scene.sim.time)
@@ -328,7 +340,7 @@ def main(argv=None):
                 steps = round(ds / DT)
                 log.info(f'{steps / dw:.1f} steps/s, sim-time factor {ds / dw:.2f}, '
                          f'{(renders - report[3]) / dw:.1f} images/s; trajectories accepted '
-                         f'{sum(c.accepted for c in scene.controllers.values())}')
+                         f'{scene.accepted}, rejected {scene.rejected}')
                 report = (wall, scene.sim.time, 0, renders)
     finally:
         ex.shutdown(timeout_sec=1.0)
