@@ -253,10 +253,6 @@ def main(argv=None):
     renders = 0
     last_cam = -1
 
-    def stamp_msg(t):
-        from builtin_interfaces.msg import Time
-        sec = int(t)
-        return Time(sec=sec, nanosec=int(round((t - sec) * 1e9)) % 1_000_000_000)
 
     def publish_sensors():
         nonlocal renders, last_cam
@@ -346,6 +342,15 @@ def main(argv=None):
         ex.shutdown(timeout_sec=1.0)
         node.destroy_node()
         rclpy.try_shutdown()
+
+
+def stamp_msg(t: float):
+    """builtin_interfaces/Time of t s. Rounded as a whole: the step times are sums of 2 ms
+    substeps (2.9999999999996 s), and rounding the fraction alone would read 2 s."""
+    from builtin_interfaces.msg import Time
+
+    sec, ns = divmod(int(round(t * 1e9)), 1_000_000_000)
+    return Time(sec=sec, nanosec=ns)
 
 
 def _put(lock, inbox, item):

@@ -204,3 +204,18 @@ def test_reset_lays_out_gym_alohas_episode(sim):
                                np.concatenate(sample_insertion_pose(7)))
     img = sim.render('cam_high')
     assert img.shape == (120, 160, 3) and img.dtype == np.uint8 and img.std() > 5
+
+
+def test_stamps_never_step_back():
+    """The clock's stamps of step times (sums of 2 ms substeps) rise monotonically."""
+    pytest.importorskip('builtin_interfaces')
+    from oxygen_ros.mujoco_aloha import stamp_msg
+
+    t, last = 0.0, -1.0
+    for _ in range(5000):
+        t += 0.002
+        m = stamp_msg(t)
+        assert m.nanosec < 1_000_000_000
+        now = m.sec + m.nanosec * 1e-9
+        assert now > last and abs(now - t) < 1e-9
+        last = now
