@@ -192,7 +192,7 @@ def test_node_drives_the_simulated_aloha(rig):
         readings = w.positions(side)
         assert t_of_last(readings) >= start + SIM_SECONDS - 0.1
         for _, q in readings:
-            for i, j in enumerate(ARM + ['left_finger', 'right_finger']):
+            for j in ARM + ['left_finger', 'right_finger']:
                 lo, hi = ranges[(side, j)]
                 assert lo - RANGE_TOL <= q[NAMES.index(j)] <= hi + RANGE_TOL, (side, j, q)
             # The servo angle is the finger's, as the follower reports both.
@@ -224,7 +224,7 @@ def test_hold_after_deactivate_keeps_still_under_gravity(rig):
     with w.lock:
         holds = {g: w.traj[g][-1] for g in GROUPS}
     n_after = {g: len(w.traj[g]) for g in GROUPS}
-    for g, (_, m) in holds.items():
+    for _, m in holds.values():
         assert all(v == 0.0 for v in m.points[-1].velocities), m
     begin = max(now + t_of(m.points[-1].time_from_start) for now, m in holds.values()) + 0.1
     assert wait_for(lambda: w.now >= begin + HOLD_SECONDS or w.procs.dead(), 120), w.log()

@@ -182,9 +182,28 @@ case "${1:-}" in
     exit "$status"
     ;;
   demo)
+    shift
+    if [ "${1:-}" = --robot ]; then
+      case "${2:-}" in
+        aloha_mujoco)
+          # Two insertion episodes of gym-aloha's length through oxygen_node and the MuJoCo
+          # ALOHA on simulated time (oxygen-eval; more with --episodes N, and so on).
+          shift 2
+          sim_setup
+          build
+          use_install
+          cd "$root/install"
+          exec python -m oxygen_ros.eval --env aloha-insertion --episodes 2 "$@"
+          ;;
+        *)
+          echo "tools/ws.sh demo: unknown robot '${2:-}' (aloha_mujoco, or none for the" \
+            "default simulated robot)" >&2
+          exit 2
+          ;;
+      esac
+    fi
     build
     use_install
-    shift
     # Run from the install space: in the repository root the sources (which lack the
     # generated oxygen_ros.msg) would shadow the installed package.
     cd "$root/install"
