@@ -30,6 +30,7 @@ from sensor_msgs.msg import Image, JointState  # noqa: E402
 from test_node import wait_for  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint  # noqa: E402
 
+from oxygen_ros.aloha_sim import finger_from_gripper  # noqa: E402
 from oxygen_ros.eval import Processes, config_dir, robot_params, ros_env  # noqa: E402
 from oxygen_ros.jtc import jtc_problems  # noqa: E402
 from oxygen_ros.msg import SimStep  # noqa: E402
@@ -45,10 +46,13 @@ HOLD_SECONDS = 2.0
 # A hold at the measured positions sits below them by the position servos' sag under
 # gravity (torque / kp: gym-aloha's wrist_angle has kp 50; measured up to 7.7 mrad there,
 # 3.6 mrad at the elbow): HOLD_TOL_RAD off the target. Still is still: over HOLD_SECONDS a
-# held joint moves less than STILL_TOL_RAD (measured 1.7e-4 rad), a finger less than 0.1 mm.
+# held joint moves less than STILL_TOL_RAD (measured 1.7e-4 rad). gym-aloha's fingers are
+# slow (kp 200 against a friction loss of 30 N): one still closing on its hold target creeps
+# (measured up to 0.15 mm in the 2 s), so a finger gets STILL_TOL_M, 1.4 % of its 36 mm.
 HOLD_TOL_RAD = 0.03
 STILL_TOL_RAD = 2e-3
-HOLD_TOL_M = 1e-4
+HOLD_TOL_M = 1e-3
+STILL_TOL_M = 5e-4
 # MuJoCo's joint limits are soft: a joint pressed against one may sink in by a hair.
 RANGE_TOL = 1e-3
 
@@ -237,13 +241,16 @@ def test_hold_after_deactivate_keeps_still_under_gravity(rig):
         worst = max(np.abs(q[:6] - arm).max() for _, q in readings)
         assert worst < HOLD_TOL_RAD, (side, worst, arm, readings[-1][1])
         finger = [q[7] for _, q in readings]
-        assert max(finger) - min(finger) < HOLD_TOL_M, (side, min(finger), max(finger))
+        assert max(finger) - min(finger) < STILL_TOL_M, (side, min(finger), max(finger))
+        target = float(finger_from_gripper(grip))
+        assert max(abs(f - target) for f in finger) < HOLD_TOL_M, (side, target, finger[-1])
         assert max(abs(q[6] - grip) for _, q in readings) < HOLD_TOL_RAD, side
         q = np.array([q[:6] for _, q in readings])
         moved = (q.max(axis=0) - q.min(axis=0)).max()
         assert moved < STILL_TOL_RAD, (side, moved)
         print(f'\nhold {side}: off the target by {np.abs(q - arm).max(axis=0).round(4)} rad, '
-              f'moved {moved:.1e} rad in {HOLD_SECONDS} s')
+              f'moved {moved:.1e} rad in {HOLD_SECONDS} s; finger moved '
+              f'{max(finger) - min(finger):.1e} m, {abs(finger[-1] - target):.1e} m off')
     # Inactive: no more commands.
     assert {g: len(w.traj[g]) for g in GROUPS} == n_after
 
