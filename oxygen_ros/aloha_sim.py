@@ -162,6 +162,17 @@ class Controller:
         return hermite(t, ta, pa, va, tb, pb, vb)[0]
 
 
+def require():
+    """SystemExit with what to install where the optional simulator is missing."""
+    import importlib.util
+
+    missing = [m for m in ('gym_aloha', 'dm_control', 'mujoco')
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f'the MuJoCo ALOHA needs {", ".join(missing)}: pip install -r '
+                         'requirements-mujoco.txt (tools/ws.sh sim-setup)')
+
+
 def egl():
     # Headless: MuJoCo's EGL backend (Mesa's llvmpipe where there is no GPU). Set before
     # dm_control or mujoco first renders.

@@ -401,8 +401,9 @@ def main(argv=None) -> int:
     task = ENVS[args.env]
     out = Path(args.out or tempfile.mkdtemp(prefix='oxygen-eval-'))
     out.mkdir(parents=True, exist_ok=True)
-    from oxygen_ros.aloha_sim import egl
+    from oxygen_ros.aloha_sim import egl, require
 
+    require()
     egl()
     mode = 'direct' if args.direct else 'ros'
     t0 = time.monotonic()

@@ -166,8 +166,11 @@ def main(argv=None):
     from sensor_msgs.msg import Image, JointState
     from trajectory_msgs.msg import JointTrajectory
 
+    from oxygen_ros.aloha_sim import require
     from oxygen_ros.msg import SimStep
     from oxygen_ros.srv import SimReset
+
+    require()
 
     rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
     node = Node('oxygen_mujoco_aloha')
@@ -289,7 +292,12 @@ def main(argv=None):
             for item in work:
                 if item[0] == 'reset':
                     _, req, resp, done = item
-                    scene.reset(int(req.seed))
+                    try:
+                        scene.reset(int(req.seed))
+                    except ValueError as e:  # numpy's seeds are 0 .. 2**32 - 1
+                        resp.success, resp.message = False, f'seed {req.seed}: {e}'
+                        done.set()
+                        continue
                     episode_steps, step_in_episode, paused = int(req.steps), 0, False
                     resp.success, resp.episode = True, scene.episode
                     resp.stamp = stamp_msg(scene.sim.time)

@@ -305,6 +305,8 @@ def test_reset_starts_an_episode(rig):
     for side, base in (('left', 0), ('right', 8)):
         q = w.positions(side, since=since)[-1][1]
         np.testing.assert_allclose(q[:6], START_ARM_POSE[base:base + 6], atol=HOLD_TOL_RAD)
+    nope = w.call(w.reset, SimReset.Request(seed=-1, steps=0))
+    assert not nope.success and 'seed -1' in nope.message, nope
     r2 = w.call(w.reset, SimReset.Request(seed=4, steps=0))
     assert r2.success and r2.episode == r.episode + 1
     w.pubs['right_arm'].publish(bad(ARM, [0.3] * 6, t=5.0, stamp=since))
