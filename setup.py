@@ -26,6 +26,9 @@ setup(
     entry_points={
         'console_scripts': [
             'oxygen-bench = oxygen_ros.engine.bench:main',
+            # The MuJoCo ALOHA and its evaluation need requirements-mujoco.txt (and ROS).
+            'oxygen-eval = oxygen_ros.eval:main',
+            'oxygen_mujoco_aloha = oxygen_ros.mujoco_aloha:main',
         ],
     },
 )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs oxygen_ros as a colcon workspace rooted at this repository.
-#   tools/ws.sh setup|build|test|demo|bench [args]
+#   tools/ws.sh setup|sim-setup|build|test|demo|bench [args]
 # With a ROS 2 distro sourced (ROS_DISTRO set, colcon on PATH) the distro is used and only the
 # Python packages it lacks (requirements-distro.txt, requirements-test.txt) go into a virtual
 # environment that still sees the distro's packages. Without one, a virtual environment
@@ -74,6 +74,33 @@ setup() {
   echo "$want" > "$stamp"
 }
 
+sim_setup() {
+  # The optional MuJoCo ALOHA (requirements-mujoco.txt), once per requirements file and venv.
+  # Every package already in the venv is passed as a constraint, so this only adds packages:
+  # the venv the node and the other tests use stays as it was.
+  setup
+  local want stamp="$venv/.oxygen-sim-setup" pins
+  want=$({ cat requirements-mujoco.txt; cat "$venv/.oxygen-setup"; } | sha256sum)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return
+  fi
+  echo "== installing the MuJoCo simulator (requirements-mujoco.txt) into $venv"
+  pins=$(mktemp)
+  # name==version lines only: editable or path installs cannot be constraints.
+  "$venv/bin/pip" freeze --exclude-editable | grep -E '^[A-Za-z0-9._-]+==' > "$pins" || true
+  local t0=$SECONDS
+  "$venv/bin/pip" install -q -r requirements-mujoco.txt -c "$pins"
+  rm -f "$pins"
+  echo "== installed the simulator in $((SECONDS - t0)) s"
+  echo "$want" > "$stamp"
+}
+
+strict() {
+  # The skip gate's strict mode (tools/skips.py): CI=true, or both tarballs given.
+  case "${CI:-}" in [Tt][Rr][Uu][Ee]|1|[Yy][Ee][Ss]) return 0 ;; esac
+  [ -n "${OXYGEN_ROS_OVERLAY_SRC:-}" ] && [ -n "${OXYGEN_CV_BRIDGE_SRC:-}" ]
+}
+
 extra() {
   # extra NAME TARBALL SCRIPT: unless already built, unpack TARBALL and build it with the
   # SCRIPT inside it into $venv-extras/NAME-KEY, KEY hashing the tarball and the venv's
@@ -132,8 +159,11 @@ use_install() {
 
 case "${1:-}" in
   setup) setup ;;
+  sim-setup) sim_setup ;;
   build) build ;;
   test)
+    # Where skips fail the run, the simulator tests must run: install what they need.
+    if strict; then sim_setup; fi
     build
     use_install
     rm -rf build/oxygen_ros/test_results
@@ -152,9 +182,28 @@ case "${1:-}" in
     exit "$status"
     ;;
   demo)
+    shift
+    if [ "${1:-}" = --robot ]; then
+      case "${2:-}" in
+        aloha_mujoco)
+          # Two insertion episodes of gym-aloha's length through oxygen_node and the MuJoCo
+          # ALOHA on simulated time (oxygen-eval; more with --episodes N, and so on).
+          shift 2
+          sim_setup
+          build
+          use_install
+          cd "$root/install"
+          exec python -m oxygen_ros.eval --env aloha-insertion --episodes 2 "$@"
+          ;;
+        *)
+          echo "tools/ws.sh demo: unknown robot '${2:-}' (aloha_mujoco, or none for the" \
+            "default simulated robot)" >&2
+          exit 2
+          ;;
+      esac
+    fi
     build
     use_install
-    shift
     # Run from the install space: in the repository root the sources (which lack the
     # generated oxygen_ros.msg) would shadow the installed package.
     cd "$root/install"
@@ -167,7 +216,7 @@ case "${1:-}" in
     exec python -m oxygen_ros.engine.bench --out "$root/benchmarks/out" "$@"
     ;;
   *)
-    echo "usage: tools/ws.sh setup|build|test|demo|bench [args]" >&2
+    echo "usage: tools/ws.sh setup|sim-setup|build|test|demo|bench [args]" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,429 @@
+"""Task success of a policy on the MuJoCo ALOHA, as LeRobot evaluates pi0 on gym-aloha.
+
+    oxygen-eval --env aloha-insertion --episodes 10 --seed 0 [--checkpoint DIR] [--out DIR]
+    oxygen-eval --env aloha-transfer-cube --episodes 50 --direct
+
+Default: the real ROS path. oxygen_mujoco_aloha (the scene, the followers' controllers, the
+cameras, /clock) and oxygen_node (aloha.yaml + aloha_mujoco.yaml, use_sim_time) run as their
+own processes; per episode this resets the scene (~/reset, seed = --seed + episode), activates
+the node, records the task reward of every step and the top camera (cam_high) as the node
+sees it, and deactivates the node at the end. --direct: the engine and the same scene in one
+loop, no ROS (the fast path): each chunk's first n_action_steps actions are played, then the
+next chunk is computed from a new observation, as LeRobot's rollout does.
+
+An episode succeeds when the reward reaches 4 (gym-aloha's is_success); the report gives the
+success rate, the mean of each episode's largest and summed reward (LeRobot's avg_max_reward,
+avg_sum_reward), each episode's reward curve, a video of the top camera (mp4 through
+imageio-ffmpeg, or gif) and the wall time. Without a checkpoint the weights are random and
+succeed at nothing: then it measures the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from oxygen_ros.aloha_sim import (
+    ARM_JOINTS,
+    DT,
+    SUCCESS_REWARD,
+    Unstable,
+    gripper_from_finger,
+    normalized_from_gripper,
+)
+
+ENVS = {'aloha-insertion': 'insertion', 'aloha-transfer-cube': 'transfer_cube'}
+# LeRobot's task descriptions for gym-aloha's two tasks.
+PROMPTS = {'insertion': 'Insert the peg into the socket.',
+           'transfer_cube': 'Pick up the cube with the right arm and transfer it to the '
+                            'left arm.'}
+VIDEO_FPS = 25
+
+
+def config_dir() -> Path:
+    try:
+        from ament_index_python.packages import get_package_share_directory
+
+        return Path(get_package_share_directory('oxygen_ros')) / 'config'
+    except Exception:  # not installed with colcon: the source tree
+        return Path(__file__).resolve().parents[1] / 'config'
+
+
+def robot_params(name: str = 'aloha.yaml') -> dict:
+    return yaml.safe_load((config_dir() / name).read_text())['/**']['ros__parameters']
+
+
+def summary(episodes: list[dict]) -> dict:
+    n = len(episodes)
+    return {
+        'episodes': n,
+        'successes': sum(e['success'] for e in episodes),
+        'success_rate': sum(e['success'] for e in episodes) / n if n else 0.0,
+        'avg_max_reward': float(np.mean([e['max_reward'] for e in episodes])) if n else 0.0,
+        'avg_sum_reward': float(np.mean([e['sum_reward'] for e in episodes])) if n else 0.0,
+        'wall_s_per_episode': float(np.mean([e['wall_s'] for e in episodes])) if n else 0.0,
+    }
+
+
+def episode_result(seed: int, rewards: list[float], wall: float, frames: int,
+                   video: str | None) -> dict:
+    r = [float(x) for x in rewards]
+    return {'seed': seed, 'steps': len(r), 'success': bool(r) and max(r) >= SUCCESS_REWARD,
+            'max_reward': max(r) if r else 0.0, 'sum_reward': float(sum(r)), 'rewards': r,
+            'wall_s': wall, 'sim_time_factor': len(r) * DT / wall if wall > 0 else 0.0,
+            'frames': frames, 'video': video}
+
+
+def write_video(path: Path, frames: list[np.ndarray], fps: int = VIDEO_FPS) -> str | None:
+    """mp4 (imageio-ffmpeg, a gym-aloha dependency); a gif where ffmpeg is missing."""
+    if not frames:
+        return None
+    import imageio.v2 as imageio
+
+    try:
+        imageio.mimsave(str(path), frames, fps=fps, macro_block_size=1)
+        return str(path)
+    except Exception:  # no ffmpeg backend
+        gif = path.with_suffix('.gif')
+        imageio.mimsave(str(gif), frames, duration=1000 / fps)
+        return str(gif)
+
+
+def plot_rewards(path: Path, episodes: list[dict], title: str):
+    import matplotlib
+
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for e in episodes:
+        ax.plot(np.arange(1, e['steps'] + 1) * DT, e['rewards'], label=f'seed {e["seed"]}')
+    ax.set_xlabel('simulated time (s)')
+    ax.set_ylabel('reward (4 = success)')
+    ax.set_ylim(-0.2, 4.2)
+    ax.set_title(title)
+    if len(episodes) <= 10:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# -- the direct path: engine + scene, no ROS ---------------------------------------------------
+
+def direct(args, task: str, out: Path) -> list[dict]:
+    from oxygen_ros.aloha_sim import AlohaSim
+    from oxygen_ros.engine import Engine, EngineConfig, Observation
+    from oxygen_ros.profiles import make_profile
+
+    p = robot_params()
+    profile = make_profile('aloha', **yaml.safe_load(p['profile_options']))
+    slots = dict(zip(p['cameras'], p['camera_slots'], strict=True))
+    engine = Engine(EngineConfig(model=args.model, checkpoint=args.checkpoint,
+                                 device=args.device, threads=args.threads,
+                                 denoise_steps=args.denoise_steps))
+    play = args.play_steps or engine.n_action_steps or engine.action_horizon
+    prompt = args.prompt or PROMPTS[task]
+    sim = AlohaSim(task, args.width, args.height)
+    guard = Guard(p['joint_limits'])
+    episodes = []
+    for i in range(args.episodes):
+        seed = args.seed + i
+        sim.reset(seed)
+        t0 = time.monotonic()
+        rewards, frames, queue = [], [], []
+        guard.start(sim.state())
+        unstable = ''
+        for k in range(args.steps):
+            if not queue:
+                state = sim.state()
+                obs = Observation(stamp=sim.time,
+                                  images={slots[c]: sim.render(c) for c in slots},
+                                  state=np.asarray(profile.encode_state(state), np.float32),
+                                  prompt=prompt)
+                targets = profile.decode_actions(engine.step(obs).actions, state)
+                queue = list(targets[:play])
+            a = np.array(queue.pop(0), float)
+            a = guard(a)
+            a[[6, 13]] = normalized_from_gripper(a[[6, 13]])  # servo angle -> gym's 0..1
+            try:
+                rewards.append(sim.step(a))
+            except Unstable as e:  # the episode fails; the next one starts afresh
+                unstable = str(e)
+                break
+            if k % round(1 / (DT * VIDEO_FPS)) == 0:
+                frames.append(sim.render('cam_high'))
+        wall = time.monotonic() - t0
+        video = write_video(out / f'direct_{task}_seed{seed}.mp4', frames) if args.video else None
+        episodes.append(episode_result(seed, rewards, wall, len(frames), video))
+        episodes[-1]['unstable'] = unstable
+        note = f' ({unstable})' if unstable else ''
+        print(f'oxygen-eval: direct episode {i + 1}/{args.episodes} seed {seed}: max reward '
+              f'{max(rewards, default=0):g}, {wall:.1f} s{note}', flush=True)
+    return episodes
+
+
+class Guard:
+    """What the node does to every chunk, in short, for the direct path: each arm target
+    clamped into aloha.yaml's joint range and moving no faster than its speed limit (the
+    node's limits also shape the motion between points; JTC then follows a cubic)."""
+
+    def __init__(self, limits: dict):
+        lo, hi, vel = np.full(14, -np.inf), np.full(14, np.inf), np.full(14, np.inf)
+        for base, side in ((0, 'left'), (7, 'right')):
+            for i, j in enumerate(ARM_JOINTS):
+                lim = limits[f'{side}_arm'][j]
+                lo[base + i], hi[base + i] = lim.get('lower', -np.inf), lim.get('upper', np.inf)
+                vel[base + i] = lim.get('velocity', np.inf)
+            vel[base + 6] = limits[f'{side}_gripper']['gripper'].get('velocity', np.inf)
+        self.lo, self.hi, self.step = lo, hi, vel * DT
+
+    def start(self, state: np.ndarray):
+        self.last = np.array(state, float)
+        self.last[[6, 13]] = gripper_from_finger(self.last[[6, 13]])
+
+    def __call__(self, target: np.ndarray) -> np.ndarray:
+        t = np.where(np.isfinite(target), target, self.last)  # a NaN target: stay
+        t = np.clip(t, self.lo, self.hi)
+        t = self.last + np.clip(t - self.last, -self.step, self.step)
+        self.last = t
+        return t.copy()
+
+
+# -- the ROS path: oxygen_node + oxygen_mujoco_aloha -------------------------------------------
+
+def ros_env(domain: str | None) -> dict:
+    env = dict(os.environ)
+    env.setdefault('OMP_NUM_THREADS', '1')
+    env.setdefault('MUJOCO_GL', 'egl')
+    env.setdefault('FASTRTPS_DEFAULT_PROFILES_FILE', str(config_dir() / 'fastdds.xml'))
+    env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
+    if domain is not None:
+        env['ROS_DOMAIN_ID'] = domain
+    return env
+
+
+class Processes:
+    """The robot and the node as child processes, logs in `out`; stopped with SIGINT."""
+
+    def __init__(self, out: Path, env: dict):
+        self.out, self.env, self.procs = out, env, {}
+
+    def start(self, name: str, module: str, *ros_args: str):
+        log = open(self.out / f'{name}.log', 'w')
+        self.procs[name] = (subprocess.Popen(
+            [sys.executable, '-m', module, '--ros-args', *ros_args],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env), log)
+
+    def dead(self) -> list[str]:
+        return [n for n, (p, _) in self.procs.items() if p.poll() is not None]
+
+    def log(self, name: str) -> str:
+        return (self.out / f'{name}.log').read_text()
+
+    def stop(self):
+        for p, _ in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p, log in self.procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            log.close()
+
+
+def ros(args, task: str, out: Path) -> list[dict]:
+    import rclpy
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.qos import qos_profile_sensor_data
+    from sensor_msgs.msg import Image
+
+    from oxygen_ros.msg import SimStep
+    from oxygen_ros.srv import SimReset
+
+    cfg = config_dir()
+    files = [str(cfg / 'pi05.yaml'), str(cfg / 'aloha.yaml'), str(cfg / 'aloha_mujoco.yaml')]
+    node_params = {'model': args.model, 'checkpoint': args.checkpoint, 'device': args.device,
+                   'threads': args.threads, 'denoise_steps': args.denoise_steps,
+                   'allow_random_weights': not args.checkpoint, 'autostart': False,
+                   'prompt': args.prompt or PROMPTS[task], 'play_steps': args.play_steps,
+                   'narration_every_n_frames': 0}
+    overlay = out / 'eval_params.yaml'
+    overlay.write_text(yaml.safe_dump({
+        'oxygen_node': {'ros__parameters': node_params},
+        'oxygen_mujoco_aloha': {'ros__parameters': {
+            'task': task, 'seed': args.seed, 'real_time_factor': args.real_time_factor,
+            'image_width': args.width, 'image_height': args.height}}}))
+    params = [a for f in files + [str(overlay)] for a in ('--params-file', f)]
+    env = ros_env(args.domain)
+    os.environ.update({k: env[k] for k in ('ROS_DOMAIN_ID', 'ROS_AUTOMATIC_DISCOVERY_RANGE',
+                                           'FASTRTPS_DEFAULT_PROFILES_FILE') if k in env})
+    procs = Processes(out, env)
+    procs.start('robot', 'oxygen_ros.mujoco_aloha', *params)
+    procs.start('node', 'oxygen_ros.node', *params)
+
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node('oxygen_eval', context=context)
+    lock = threading.Lock()
+    steps: list = []
+    frames: list = []
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+    node.create_subscription(
+        SimStep, '/oxygen_mujoco_aloha/step', lambda m: _add(lock, steps, m),
+        QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE))
+    cam_topic = robot_params()['camera_topics'][0]  # cam_high
+    node.create_subscription(Image, cam_topic, lambda m: _add(lock, frames, m),
+                             qos_profile_sensor_data)
+    change = node.create_client(ChangeState, '/oxygen_node/change_state')
+    reset = node.create_client(SimReset, '/oxygen_mujoco_aloha/reset')
+    ex = SingleThreadedExecutor(context=context)
+    ex.add_node(node)
+    threading.Thread(target=ex.spin, daemon=True).start()
+
+    def call(client, req, timeout):
+        if not client.wait_for_service(timeout_sec=timeout):
+            raise RuntimeError(f'{client.srv_name} did not appear ({procs.dead() or "alive"})')
+        fut = client.call_async(req)
+        t = time.monotonic() + timeout
+        while not fut.done():
+            if time.monotonic() > t or procs.dead():
+                raise RuntimeError(f'{client.srv_name}: no answer ({procs.dead() or "alive"})')
+            time.sleep(0.01)
+        return fut.result()
+
+    def transition(label, timeout=args.startup_timeout):
+        req = ChangeState.Request()
+        req.transition = Transition(label=label)
+        if not call(change, req, timeout).success:
+            raise RuntimeError(f'oxygen_node refused {label}:\n{procs.log("node")[-3000:]}')
+
+    episodes = []
+    try:
+        transition('configure')
+        for i in range(args.episodes):
+            seed = args.seed + i
+            r = call(reset, SimReset.Request(seed=seed, steps=args.steps), 30.0)
+            if not r.success:
+                raise RuntimeError(f'reset failed: {r.message}')
+            since = r.stamp.sec + r.stamp.nanosec * 1e-9
+            t0 = time.monotonic()
+            transition('activate')
+            limit = t0 + args.steps * DT / 0.02 + 120  # a 50x slower than real time floor
+            while True:
+                with lock:
+                    done = any(m.episode == r.episode and m.done for m in steps)
+                if done:
+                    break
+                if procs.dead() or time.monotonic() > limit:
+                    raise RuntimeError(f'episode {i + 1} did not finish '
+                                       f'({procs.dead() or "timeout"}):\n'
+                                       f'{procs.log("robot")[-2000:]}')
+                time.sleep(0.02)
+            wall = time.monotonic() - t0
+            transition('deactivate')
+            time.sleep(0.2)  # the hold trajectory arrives before the next reset
+            with lock:
+                ours = sorted((m for m in steps if m.episode == r.episode), key=lambda m: m.step)
+                end = ours[-1].header.stamp.sec + ours[-1].header.stamp.nanosec * 1e-9
+                shots = [m for m in frames
+                         if since <= m.header.stamp.sec + m.header.stamp.nanosec * 1e-9 <= end]
+                steps[:] = [m for m in steps if m.episode != r.episode]
+                frames.clear()
+            rewards = [m.reward for m in ours]
+            if len(rewards) != args.steps:
+                raise RuntimeError(f'episode {i + 1}: {len(rewards)} step messages of '
+                                   f'{args.steps}')
+            pics = [np.frombuffer(bytes(m.data), np.uint8).reshape(m.height, m.width, 3)
+                    for m in shots]
+            video = (write_video(out / f'ros_{task}_seed{seed}.mp4', pics)
+                     if args.video else None)
+            episodes.append(episode_result(seed, rewards, wall, len(pics), video))
+            print(f'oxygen-eval: ROS episode {i + 1}/{args.episodes} seed {seed}: max reward '
+                  f'{max(rewards):g}, {wall:.1f} s, {len(pics)} frames', flush=True)
+    finally:
+        ex.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+        procs.stop()
+    return episodes
+
+
+def _add(lock, items, m):
+    with lock:
+        items.append(m)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--env', choices=sorted(ENVS), default='aloha-insertion')
+    ap.add_argument('--episodes', type=int, default=10)
+    ap.add_argument('--seed', type=int, default=0, help='episode i has seed SEED + i')
+    ap.add_argument('--steps', type=int, default=300, help='steps of 0.02 s per episode '
+                    '(gym-aloha: 300)')
+    ap.add_argument('--direct', action='store_true', help='engine + scene without ROS')
+    ap.add_argument('--model', default='small', help='tiny, small, pi05 or a YAML path')
+    ap.add_argument('--checkpoint', default='', help="LeRobot/openpi pi05 directory; '' = "
+                    'random weights')
+    ap.add_argument('--device', default='cpu')
+    ap.add_argument('--threads', type=int, default=1)
+    ap.add_argument('--denoise-steps', type=int, default=10)
+    ap.add_argument('--play-steps', type=int, default=0, help='actions played per chunk; '
+                    "0 = the checkpoint's n_action_steps (direct) / the node's default")
+    ap.add_argument('--prompt', default='', help="'' = LeRobot's task description")
+    ap.add_argument('--width', type=int, default=640)
+    ap.add_argument('--height', type=int, default=480)
+    ap.add_argument('--real-time-factor', type=float, default=1.0,
+                    help='ROS path: simulated s per wall s at most; 0 = unpaced')
+    ap.add_argument('--domain', default=None, help='ROS_DOMAIN_ID for the ROS path')
+    ap.add_argument('--startup-timeout', type=float, default=180.0)
+    ap.add_argument('--no-video', dest='video', action='store_false')
+    ap.add_argument('--out', default='', help='report directory (default: a new temp dir)')
+    args = ap.parse_args(argv)
+    if args.episodes < 1 or args.steps < 1:
+        ap.error('--episodes and --steps must be >= 1')
+    task = ENVS[args.env]
+    out = Path(args.out or tempfile.mkdtemp(prefix='oxygen-eval-'))
+    out.mkdir(parents=True, exist_ok=True)
+    from oxygen_ros.aloha_sim import egl, require
+
+    require()
+    egl()
+    mode = 'direct' if args.direct else 'ros'
+    t0 = time.monotonic()
+    try:
+        episodes = (direct if args.direct else ros)(args, task, out)
+    except RuntimeError as e:
+        print(f'oxygen-eval: {e}', file=sys.stderr)
+        return 1
+    report = {'env': args.env, 'task': task, 'mode': mode, 'model': args.model,
+              'checkpoint': args.checkpoint or None, 'seed': args.seed, 'steps': args.steps,
+              **summary(episodes), 'wall_s': time.monotonic() - t0, 'per_episode': episodes}
+    plot_rewards(out / f'{mode}_rewards.png', episodes, f'{args.env} ({mode})')
+    report['reward_plot'] = str(out / f'{mode}_rewards.png')
+    path = out / f'{mode}_report.json'
+    path.write_text(json.dumps(report, indent=1))
+    print(f'oxygen-eval: {args.env} ({mode}): success {report["successes"]}/{len(episodes)} '
+          f'({100 * report["success_rate"]:.0f} %), avg max reward {report["avg_max_reward"]:.2f}'
+          f', {report["wall_s_per_episode"]:.1f} s per episode; report {path}')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
