@@ -58,6 +58,15 @@ def remaining(chunk: Chunk, now: float) -> int:
     return int(np.searchsorted(times, now, side='right'))
 
 
+def runs_out(chunk: Chunk, play_steps: int = 0) -> float:
+    """When the chunk is used up: the time of its last action played (the first
+    ``play_steps`` only, if given), after which Player.tick holds."""
+    n = len(chunk.positions)
+    if play_steps:
+        n = min(n, play_steps)
+    return chunk.stamp + (n - 1) * chunk.period
+
+
 @dataclass
 class Command:
     """What to publish now: points at `times` (seconds from now, increasing, > 0)."""

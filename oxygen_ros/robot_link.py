@@ -29,7 +29,7 @@ from oxygen_ros.contract import Config, prompt_problem
 from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_rgb
 from oxygen_ros.images import Camera
 from oxygen_ros.limits import describe as describe_limits
-from oxygen_ros.playback import Command, Player, make_chunk
+from oxygen_ros.playback import Command, Player, make_chunk, runs_out
 
 
 def problem_key(kind: str, text: str) -> str:
@@ -467,19 +467,14 @@ class RobotLink:
         for sub in self.image_subs:
             take(sub)
         chunk = self.player.chunk if self.player is not None else None
-        runs_out = None
-        if chunk is not None:
-            n = len(chunk.positions)
-            if self.player.play_steps:
-                n = min(n, self.player.play_steps)
-            runs_out = chunk.stamp + n * chunk.period
+        end = None if chunk is None else runs_out(chunk, self.player.play_steps)
         stamp = None
         a = self.assembler
         if a.fresh() and self.stale(now) is None:
             got = [a.latest(n) for n in a.trigger]
             stamps = [x.stamp for x in got if x is not None]
             stamp = max(stamps) if stamps else None
-        return RobotTimes(runs_out, stamp)
+        return RobotTimes(end, stamp)
 
     def stale(self, now: float) -> str | None:
         """Which required inputs are stale or missing now (Assembler's words), or None."""

@@ -3,7 +3,7 @@ play_steps, re-anchoring on the measured state, and holds."""
 import numpy as np
 import pytest
 
-from oxygen_ros.playback import Player, make_chunk, remaining
+from oxygen_ros.playback import Player, make_chunk, remaining, runs_out
 
 
 def test_chunk_velocities_by_hand():
@@ -60,6 +60,22 @@ def test_used_up_chunk_holds_once_at_the_measured_positions():
     np.testing.assert_array_equal(cmd.velocities, [[0.0, 0.0]])
     assert p.tick(0.3, hold_at=hold_at) is None  # said once
     assert p.tick(0.4, hold_at=hold_at) is None
+
+
+@pytest.mark.parametrize('n,play_steps', [(5, 0), (5, 3), (5, 9), (1, 0)])
+def test_runs_out_is_when_the_player_holds(n, play_steps):
+    """What the fleet's planner reads as a chunk's deadline is the moment Player.tick stops
+    playing it: a command just before, the hold just after."""
+    chunk = ramp(n=n, stamp=2.0)
+    end = runs_out(chunk, play_steps)
+    assert end == pytest.approx(2.0 + 0.1 * (min(n, play_steps or n) - 1))
+    before, after = Player(horizon=1.0, play_steps=play_steps), Player(horizon=1.0,
+                                                                       play_steps=play_steps)
+    before.play(chunk)
+    after.play(chunk)
+    if end - 1e-6 >= chunk.stamp:
+        assert before.tick(end - 1e-6, hold_at=hold_at).hold is None
+    assert after.tick(end + 1e-6, hold_at=hold_at).hold is not None
 
 
 def test_play_steps_then_hold_unless_a_newer_chunk():

@@ -434,7 +434,7 @@ def main(argv=None):
             'chunk_interval_ms_p99', 'chunk_ms')))
         if res['last_hold']:
             print(f'  {who} last hold: {res["last_hold"]}')
-    if len(robots) == 1:  # the single-robot JSON as before
+    if robots == ['']:  # the single-robot JSON as before
         result.update(result.pop('robots')[''])
     if questions:
         result['question_results'] = questions.reasons
