@@ -10,11 +10,16 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import yaml
+
+# Stopping a process group the way ros2 launch does: SIGINT, then a kill (tools/hosts.py).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'tools'))
+from hosts import stop  # noqa: E402, F401 (also for the tests that import it from here)
 
 rclpy = pytest.importorskip('rclpy')
 ament = pytest.importorskip('ament_index_python.packages')
@@ -107,20 +112,6 @@ def listen(domain, topic_traj, topic_text, seconds):
         ex.shutdown(timeout_sec=1)
         node.destroy_node()
         rclpy.try_shutdown(context=ctx)
-
-
-def stop(procs):
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(15))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append('killed')
-    return codes
 
 
 def test_same_executables_params_and_remaps_talk(tmp_path):

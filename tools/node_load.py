@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,9 @@ def robot_params(path: Path) -> dict:
 
 # The checker: joint_trajectory_controller's acceptance rules (oxygen_ros/jtc.py).
 from oxygen_ros.jtc import jtc_problems  # noqa: E402, F401
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hosts import stop  # noqa: E402
 
 
 class Checker:
@@ -358,16 +360,7 @@ def main(argv=None):
             ex.spin_once(timeout_sec=0.05)
         after = {r: dict(v) for r, v in checker.diag.items()}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(20))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes.append('killed')
+        codes = stop(procs, 20)
         ex.shutdown(timeout_sec=1)
         listener.destroy_node()
         rclpy.try_shutdown()
