@@ -47,7 +47,7 @@ import oxygen_ros.action as action_mod  # noqa: E402 (built by colcon; must impo
 Ask = action_mod.Ask
 ROBOTS = ('left', 'right')
 AGE = 0.5  # max_input_age
-LAG = {'left': 0.0, 'right': 0.005}
+LAG = {'left': 0.0, 'right': 0.005}  # where on its 10 ms grid each robot stamps
 # The node's parameters are every robot's defaults; right has a prompt of its own.
 FLEET = dict(PARAMS, robots=list(ROBOTS), narration_every_n_frames=0, max_requests=4,
              max_new_tokens=8, max_input_age=AGE, right={'prompt': 'stack the blocks'})
@@ -88,11 +88,15 @@ class Robots:
     call, set_param, get_param = Robot.call, Robot.set_param, Robot.get_param
 
     def _stamp(self, robot):
-        # Right's samples are stamped 5 ms back, so no stamp of one robot is near the
-        # other's: the frame a stamp names is told apart to well within that.
-        t = self.node.get_clock().now() - rclpy.duration.Duration(seconds=LAG[robot])
-        self.stamps[robot].append(t.nanoseconds * 1e-9)
-        return t.to_msg()
+        # Each robot's samples are stamped on its own 10 ms grid, left's on the whole tens of
+        # milliseconds and right's 5 ms after them (never ahead of now), so any stamp of one
+        # robot is at least 5 ms from every stamp of the other: the frame a stamp names is
+        # told apart to well within that.
+        grid, off = 10_000_000, int(LAG[robot] * 1e9)
+        now = self.node.get_clock().now().nanoseconds
+        t = (now - off) // grid * grid + off
+        self.stamps[robot].append(t * 1e-9)
+        return rclpy.time.Time(nanoseconds=t).to_msg()
 
     def _images(self):
         for r, cams in self.cams.items():
