@@ -17,7 +17,6 @@ openpi's arithmetic restated below.
 """
 import contextlib
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from ament_index_python.packages import get_package_share_directory  # noqa: E40
 from lifecycle_msgs.msg import Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
-from test_node import node_env, wait_for, write_params  # noqa: E402
+from test_node import new_domain, node_env, wait_for, write_params  # noqa: E402
 
 import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
 from oxygen_ros.contract import BY_NAME  # noqa: E402
@@ -271,7 +270,7 @@ def moving(received):
 @pytest.fixture(scope='module')
 def robot(policy, tmp_path_factory):
     root, _, _ = policy
-    domain = str(random.randint(120, 220))
+    domain = new_domain(120, 220)
     # Only what a test must change: the checkpoint (its dims from its config.json), the CPU,
     # and configure + activate at start.
     overrides = {'checkpoint': str(root), 'model': '', 'device': 'cpu', 'autostart': True}

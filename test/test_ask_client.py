@@ -2,7 +2,6 @@
 accept: a Ctrl-C that lands before the acceptance reaches the client still cancels the goal
 (which by then may be running on the node) and exits 1 without a traceback."""
 import pathlib
-import random
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ rclpy = pytest.importorskip('rclpy')
 ament = pytest.importorskip('ament_index_python.packages')
 from rclpy.action import ActionServer, CancelResponse, GoalResponse  # noqa: E402
 from rclpy.executors import MultiThreadedExecutor  # noqa: E402
-from test_node import node_env, wait_for  # noqa: E402
+from test_node import new_domain, node_env, wait_for  # noqa: E402
 
 import oxygen_ros.action as action_mod  # noqa: E402 (built by colcon; must import)
 
@@ -59,7 +58,7 @@ class SlowServer:
 
 @pytest.fixture
 def served():
-    domain = str(random.randint(120, 220))
+    domain = new_domain(120, 220)
     ctx = rclpy.Context()
     rclpy.init(context=ctx, domain_id=int(domain))
     node = rclpy.create_node('slow_ask', context=ctx)

@@ -6,7 +6,6 @@ is run against it too.
 The tests run in order on one node process: inactive first, then active, then deactivated.
 """
 import pathlib
-import random
 import re
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from test_lifecycle import User  # noqa: E402
 from test_node import (  # noqa: E402
     PARAMS,
     assert_alive_and_commanding,
+    new_domain,
     node_env,
     node_process,
     wait_for,
@@ -94,7 +94,7 @@ def stamp_of(t):
 @pytest.fixture(scope='module')
 def domain():
     # A domain of its own: other test runs on this machine use the same names.
-    return str(random.randint(1, 230))
+    return new_domain(1, 230)
 
 
 @pytest.fixture(scope='module')

@@ -6,7 +6,6 @@ plays the robot and asks over real rclpy action clients): SIGINT, the lifecycle 
 cleanup. In this process: AskServer.close, which sends those results, against a real
 engine and an rclpy action client.
 """
-import random
 import signal
 import time
 
@@ -19,7 +18,7 @@ from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from test_ask import make  # noqa: E402
 from test_ask_node import ABORTED, ASKING, ROWS, SUCCEEDED, Asker  # noqa: E402
 from test_lifecycle import after, is_hold  # noqa: E402
-from test_node import ARM, node_process, wait_for  # noqa: E402
+from test_node import ARM, new_domain, node_process, wait_for  # noqa: E402
 
 import oxygen_ros.action as action_mod  # noqa: E402 (built by colcon; must import)
 from oxygen_ros.ask_server import AskServer  # noqa: E402
@@ -35,7 +34,7 @@ STARTED = dict(ASKING, autostart=True, max_new_tokens=BUDGET)
 @pytest.fixture
 def domain():
     # A domain of its own: other test runs on this machine use the same names.
-    return str(random.randint(1, 230))
+    return new_domain(1, 230)
 
 
 def started(tmp_path, domain, params=STARTED):

@@ -5,7 +5,6 @@ camera while the good images in between keep it commanding; a camera sending onl
 holds the robot. Last, the node fed only by oxygen_sim_robot with image_transport
 compressed drives it end to end.
 """
-import random
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from test_node import (  # noqa: E402
     assert_alive_and_commanding,
     expect_log,
     keeps_commanding,
+    new_domain,
     node_env,
     node_process,
     wait_for,
@@ -73,7 +73,7 @@ class Cameras(Robot):
 @pytest.fixture(scope='module')
 def robot(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('compressed')
-    domain = str(random.randint(120, 220))
+    domain = new_domain(120, 220)
     with node_process(tmp, COMPRESSED, domain, 'compressed_robot', Cameras) as (proc, r):
         r.proc = proc
         assert wait_for(lambda: len(r.traj) > 20 or proc.poll() is not None, 60), r.log()
@@ -172,7 +172,7 @@ class Listener:
 
 @pytest.mark.parametrize('codec', ['jpeg', 'png'])
 def test_sim_robot_with_compressed_images_drives_the_node(tmp_path, codec):
-    domain = str(random.randint(120, 220))
+    domain = new_domain(120, 220)
     # The sim reads the same robot parameters; only its topics are /compressed ones.
     params = dict(COMPRESSED, camera_topics=['front/image', 'wrist/image'],
                   image_transport='compressed', image_format=codec, image_width=64,

@@ -6,7 +6,6 @@ an independent cv2.cvtColor call. The last test runs the node on a yuv422 camera
 cv_bridge these skip, and the messages that say what cv_bridge would add are checked.
 """
 import os
-import random
 import re
 import threading
 import time
@@ -19,6 +18,7 @@ rclpy = pytest.importorskip('rclpy')
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
+from test_node import new_domain  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 from oxygen_ros import frames  # noqa: E402
@@ -49,7 +49,7 @@ def make(encoding, pixels: np.ndarray, big_endian=False, pad=0) -> Image:
 @pytest.fixture(scope='module')
 def wire():
     """send(msg) -> the same message after a trip over rclpy (own domain, own topic)."""
-    os.environ['ROS_DOMAIN_ID'] = str(random.randint(120, 220))
+    os.environ['ROS_DOMAIN_ID'] = new_domain(120, 220)
     ctx = rclpy.Context()
     rclpy.init(context=ctx)
     node = rclpy.create_node('encodings', context=ctx)
@@ -260,7 +260,7 @@ def test_yuv422_camera_drives_the_node(tmp_path):
 
     import oxygen_ros.msg  # noqa: F401 (built by colcon; must import)
 
-    domain = str(random.randint(120, 220))
+    domain = new_domain(120, 220)
     params = dict(PARAMS, optional_cameras=['wrist'])
     with node_process(tmp_path, params, domain, 'yuv_robot', YuvRobot) as (proc, robot):
         assert wait_for(lambda: len(robot.traj) > 20 or proc.poll() is not None, 60), \

@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import yaml
+from test_node import new_domain  # noqa: E402
 
 from oxygen_ros.contract import BY_NAME
 from oxygen_ros.profiles import Droid, make_profile
@@ -292,7 +293,7 @@ def test_node_reanchors_droid_targets_on_the_lagging_sim_robot(tmp_path):
                   # the sim robot's: small images for the tiny model, a slow arm
                   image_width=64, image_height=48, max_joint_speed=0.3, joint_rate_hz=100.0,
                   report_every_s=60.0)
-    domain = str(random.randint(120, 220))
+    domain = new_domain(120, 220)
     sim_log = open(tmp_path / 'sim.log', 'w')
     sim = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.sim_robot', '--ros-args',
                             '--params-file', write_params(tmp_path / 'sim.yaml', params)],

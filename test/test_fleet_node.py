@@ -7,7 +7,6 @@ answered from its own frames, then one robot's camera stops while the other goes
 """
 import os
 import pathlib
-import random
 import re
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ from test_node import (  # noqa: E402
     image,
     joint_state,
     keeps_commanding,
+    new_domain,
     node_env,
     node_process,
     wait_for,
@@ -135,7 +135,7 @@ class Robots:
 
 @pytest.fixture(scope='module')
 def domain():
-    return str(random.randint(1, 230))
+    return new_domain(1, 230)
 
 
 @pytest.fixture(scope='module')
@@ -258,7 +258,7 @@ def test_ros2_launch_fleet_with_a_sim_robot_each(tmp_path):
     """fleet.launch.py robots:=a,b sim:=true: one node, one oxygen_sim_robot per namespace,
     and both robots commanded."""
     share = pathlib.Path(ament.get_package_share_directory('oxygen_ros'))
-    domain = str(random.randint(120, 220))
+    domain = new_domain(120, 220)
     sim = yaml.safe_load((share / 'config' / 'sim.yaml').read_text())
     sim['/**']['ros__parameters'].update(model='tiny', image_width=64, image_height=48)
     params = tmp_path / 'sim_tiny.yaml'
@@ -327,7 +327,7 @@ def test_a_limit_hold_holds_only_that_robot(tmp_path):
 
     right = {'prompt': 'stack the blocks', 'robot': 'identity', 'profile_options': '',
              'joint_limits': {'arm': LIMITS}}
-    domain = str(random.randint(1, 230))
+    domain = new_domain(1, 230)
     with node_process(tmp_path, dict(FLEET, right=right), domain, 'fleet_limits',
                       Robots) as (proc, f):
         assert wait_for(lambda: len(f.traj['left']) > 20 or proc.poll() is not None, 90), \

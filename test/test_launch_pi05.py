@@ -6,7 +6,6 @@ launch_testing's pytest plugin runs this file as one test (the launch_test mark)
 """
 import importlib.util
 import os
-import random
 import tempfile
 import threading
 import time
@@ -14,6 +13,7 @@ import unittest
 
 import pytest
 import yaml
+from test_node import new_domain  # noqa: E402
 
 HAVE_LAUNCH_TESTING = importlib.util.find_spec('launch_testing') is not None
 NO_LAUNCH = ('launch_testing is not installed (PyPI has no ROS 2 launch wheels; tools/ws.sh '
@@ -43,7 +43,7 @@ else:
     @pytest.mark.launch_test
     def generate_test_description():
         # The launched processes inherit the environment: a domain of this run's own.
-        os.environ['ROS_DOMAIN_ID'] = str(random.randint(120, 220))
+        os.environ['ROS_DOMAIN_ID'] = new_domain(120, 220)
         os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
         os.environ['OMP_NUM_THREADS'] = '1'
         share = get_package_share_directory('oxygen_ros')

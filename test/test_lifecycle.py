@@ -7,7 +7,6 @@ The tests run in order on one node process (configure, activate, the stop causes
 import importlib.util
 import os
 import pathlib
-import random
 import re
 import shutil
 import signal
@@ -30,6 +29,7 @@ from test_node import (  # noqa: E402
     Robot,
     assert_alive_and_commanding,
     joint_state,
+    new_domain,
     node_env,
     node_process,
     run_node,
@@ -85,7 +85,7 @@ class User(Robot):
 
 @pytest.fixture(scope='module')
 def domain():
-    return str(random.randint(1, 110))
+    return new_domain(1, 110)
 
 
 @pytest.fixture(scope='module')

@@ -9,7 +9,6 @@ a new episode.
 Needs the simulator (requirements-mujoco.txt: tools/ws.sh sim-setup; make test installs it
 where skips fail the run)."""
 import os
-import random
 import threading
 import time
 
@@ -27,7 +26,7 @@ from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from rosgraph_msgs.msg import Clock  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
-from test_node import wait_for  # noqa: E402
+from test_node import new_domain, wait_for  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint  # noqa: E402
 
 from oxygen_ros.aloha_sim import finger_from_gripper  # noqa: E402
@@ -134,7 +133,7 @@ class Watcher:
 @pytest.fixture(scope='module')
 def rig(tmp_path_factory):
     out = tmp_path_factory.mktemp('mujoco_aloha')
-    domain = str(random.randint(111, 125))
+    domain = new_domain(111, 125)
     cfg = config_dir()
     overlay = out / 'test.yaml'
     overlay.write_text(yaml.safe_dump({

@@ -68,6 +68,19 @@ def write_params(path, params):
     return str(path)
 
 
+_domains: set[int] = set()
+
+
+def new_domain(lo: int = 1, hi: int = 230) -> str:
+    """A ROS domain in [lo, hi] that no other test of this run got from here: a module's
+    node keeps running while later tests start their own, and two nodes on one domain hear
+    each other's topics (a test would count the other node's commands as its own)."""
+    free = [d for d in range(lo, hi + 1) if d not in _domains] or list(range(lo, hi + 1))
+    d = random.choice(free)
+    _domains.add(d)
+    return str(d)
+
+
 def node_env(domain):
     env = dict(os.environ, ROS_DOMAIN_ID=domain, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1',
                RCUTILS_LOGGING_BUFFERED_STREAM='0')
@@ -240,7 +253,7 @@ class Robot:
 @pytest.fixture(scope='module')
 def domain():
     # A domain of its own: other test runs on this machine use the same topic names.
-    return str(random.randint(120, 220))
+    return new_domain(120, 220)
 
 
 @contextlib.contextmanager

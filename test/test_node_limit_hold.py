@@ -6,7 +6,6 @@ move +-0.001 around where the fake robot measures it: every chunk lies far beyon
 (checked here on ~/predicted_trajectory, independently of the node). Nothing but holds at
 the measured positions may then be commanded, and each is logged and counted.
 """
-import random
 import re
 import time
 
@@ -15,7 +14,7 @@ import pytest
 
 pytest.importorskip('rclpy')
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
-from test_node import ARM, PARAMS, Robot, node_process, wait_for  # noqa: E402
+from test_node import ARM, PARAMS, Robot, new_domain, node_process, wait_for  # noqa: E402
 from test_node_limits import LIMITS  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
@@ -48,7 +47,7 @@ class Watcher(Robot):
 
 @pytest.fixture(scope='module')
 def robot(tmp_path_factory):
-    domain = str(random.randint(120, 220))
+    domain = new_domain(120, 220)
     with node_process(tmp_path_factory.mktemp('limit_hold'), HOLD, domain, 'hold_robot',
                       Watcher, '-r', 'front/image:=/remapped/front') as (proc, r):
         r.proc = proc

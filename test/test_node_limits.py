@@ -4,14 +4,13 @@ the joint's speed from the measured position and from each other, accepted by th
 independent joint_trajectory_controller checker, and reports the clamping."""
 import math
 import pathlib
-import random
 import sys
 import time
 
 import pytest
 
 pytest.importorskip('rclpy')
-from test_node import ARM, PARAMS, Robot, node_process, wait_for  # noqa: E402
+from test_node import ARM, PARAMS, Robot, new_domain, node_process, wait_for  # noqa: E402
 
 import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
 
@@ -32,7 +31,7 @@ def seconds(d):
 
 @pytest.fixture(scope='module')
 def robot(tmp_path_factory):
-    domain = str(random.randint(120, 220))
+    domain = new_domain(120, 220)
     # A margin of 1000 ranges (2 units) keeps every chunk clamped instead of held.
     params = dict(PARAMS, joint_limits={'arm': LIMITS}, limit_hold_margin=1000.0)
 

@@ -15,6 +15,7 @@ from test_lerobot_policy import CHUNK, STATE_DIM, weights, write_policy  # noqa:
 from test_node import (  # noqa: E402
     PARAMS,
     Robot,
+    new_domain,
     node_env,
     node_process,
     run_node,
@@ -43,8 +44,7 @@ def policy(weights, tmp_path_factory):  # noqa: F811
 
 @pytest.fixture(scope='module')
 def domain():
-    import random
-    return str(random.randint(111, 119))
+    return new_domain(111, 119)
 
 
 def test_node_takes_the_checkpoints_cameras_dims_and_horizon(policy, tmp_path, domain):

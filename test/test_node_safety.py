@@ -7,7 +7,6 @@ that names it and the /diagnostics counts that change.
 The model is the tiny one with 16 actions instead of 4: at 10 actions/s its chunk spans
 1.5 s, three times the default 0.5 s horizon. The tests run in order on one node process.
 """
-import random
 import re
 import time
 
@@ -24,6 +23,7 @@ from test_node import (  # noqa: E402
     assert_alive_and_commanding,
     expect_log,
     joint_state,
+    new_domain,
     node_process,
     wait_for,
 )
@@ -93,7 +93,7 @@ def long_chunk_model(path):
 @pytest.fixture(scope='module')
 def robot(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('safety')
-    domain = str(random.randint(120, 220))
+    domain = new_domain(120, 220)
     params = dict(PARAMS, model=long_chunk_model(tmp / 'long_chunk.yaml'), publish_predicted=True,
                   optional_cameras=['wrist'], max_skew=SKEW)
     with node_process(tmp, params, domain, 'guarded_robot', Guard,

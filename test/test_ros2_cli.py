@@ -8,7 +8,6 @@ the trajectory rate, deactivate.
 import importlib.util
 import math
 import pathlib
-import random
 import re
 import shlex
 import shutil
@@ -31,6 +30,7 @@ from test_node import (  # noqa: E402
     PARAMS,
     Robot,
     keeps_commanding,
+    new_domain,
     node_env,
     node_process,
     wait_for,
@@ -60,7 +60,7 @@ def readme_command(start):
 
 @pytest.fixture(scope='module')
 def domain():
-    return str(random.randint(1, 101))
+    return new_domain(1, 101)
 
 
 def ros2(domain, *args, timeout=90):

@@ -1,7 +1,6 @@
 """Under use_sim_time the node's control follows /clock: a slowed simulation gets no more
 commands than its simulated time has control ticks, and a paused one gets none. The same
 for a node serving a fleet (its own frame planning runs on the node's clock)."""
-import random
 import threading
 import time
 
@@ -18,6 +17,7 @@ from test_node import (  # noqa: E402
     image,
     joint_state,
     keeps_commanding,
+    new_domain,
     node_process,
     rate,
     wait_for,
@@ -85,7 +85,7 @@ class Simulation:
 @pytest.fixture(scope='module', params=['one robot', 'fleet'])
 def sim(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp('sim_time')
-    domain = str(random.randint(221, 232))
+    domain = new_domain(221, 232)
     params, ns = dict(PARAMS, use_sim_time=True), ''
     if request.param == 'fleet':  # one robot of a fleet, in its namespace
         params['robots'], ns = ['solo'], '/solo'
