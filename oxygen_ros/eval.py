@@ -42,6 +42,7 @@ from oxygen_ros.aloha_sim import (
     gripper_from_finger,
     normalized_from_gripper,
 )
+from oxygen_ros.demo import config_dir
 
 ENVS = {'aloha-insertion': 'insertion', 'aloha-transfer-cube': 'transfer_cube'}
 # LeRobot's task descriptions for gym-aloha's two tasks.
@@ -49,15 +50,6 @@ PROMPTS = {'insertion': 'Insert the peg into the socket.',
            'transfer_cube': 'Pick up the cube with the right arm and transfer it to the '
                             'left arm.'}
 VIDEO_FPS = 25
-
-
-def config_dir() -> Path:
-    try:
-        from ament_index_python.packages import get_package_share_directory
-
-        return Path(get_package_share_directory('oxygen_ros')) / 'config'
-    except Exception:  # not installed with colcon: the source tree
-        return Path(__file__).resolve().parents[1] / 'config'
 
 
 def robot_params(name: str = 'aloha.yaml') -> dict:
@@ -214,6 +206,23 @@ def ros_env(domain: str | None) -> dict:
     return env
 
 
+def start_rig(out: Path, domain: str | None, name: str, overlay: dict) -> Processes:
+    """The MuJoCo ALOHA and oxygen_node as processes on pi05.yaml, aloha.yaml and
+    aloha_mujoco.yaml, then `overlay` (written to out/name); this process joins their
+    domain and DDS profile, to listen to them."""
+    cfg = config_dir()
+    (out / name).write_text(yaml.safe_dump(overlay))
+    files = [cfg / 'pi05.yaml', cfg / 'aloha.yaml', cfg / 'aloha_mujoco.yaml', out / name]
+    params = [a for f in files for a in ('--params-file', str(f))]
+    env = ros_env(domain)
+    os.environ.update({k: env[k] for k in ('ROS_DOMAIN_ID', 'ROS_AUTOMATIC_DISCOVERY_RANGE',
+                                           'FASTRTPS_DEFAULT_PROFILES_FILE') if k in env})
+    procs = Processes(out, env)
+    procs.start('robot', 'oxygen_ros.mujoco_aloha', *params)
+    procs.start('node', 'oxygen_ros.node', *params)
+    return procs
+
+
 class Processes:
     """The robot and the node as child processes, logs in `out`; stopped with SIGINT."""
 
@@ -256,26 +265,16 @@ def ros(args, task: str, out: Path) -> list[dict]:
     from oxygen_ros.msg import SimStep
     from oxygen_ros.srv import SimReset
 
-    cfg = config_dir()
-    files = [str(cfg / 'pi05.yaml'), str(cfg / 'aloha.yaml'), str(cfg / 'aloha_mujoco.yaml')]
     node_params = {'model': args.model, 'checkpoint': args.checkpoint, 'device': args.device,
                    'threads': args.threads, 'denoise_steps': args.denoise_steps,
                    'allow_random_weights': not args.checkpoint, 'autostart': False,
                    'prompt': args.prompt or PROMPTS[task], 'play_steps': args.play_steps,
                    'narration_every_n_frames': 0}
-    overlay = out / 'eval_params.yaml'
-    overlay.write_text(yaml.safe_dump({
+    procs = start_rig(out, args.domain, 'eval_params.yaml', {
         'oxygen_node': {'ros__parameters': node_params},
         'oxygen_mujoco_aloha': {'ros__parameters': {
             'task': task, 'seed': args.seed, 'real_time_factor': args.real_time_factor,
-            'image_width': args.width, 'image_height': args.height}}}))
-    params = [a for f in files + [str(overlay)] for a in ('--params-file', f)]
-    env = ros_env(args.domain)
-    os.environ.update({k: env[k] for k in ('ROS_DOMAIN_ID', 'ROS_AUTOMATIC_DISCOVERY_RANGE',
-                                           'FASTRTPS_DEFAULT_PROFILES_FILE') if k in env})
-    procs = Processes(out, env)
-    procs.start('robot', 'oxygen_ros.mujoco_aloha', *params)
-    procs.start('node', 'oxygen_ros.node', *params)
+            'image_width': args.width, 'image_height': args.height}}})
 
     context = rclpy.Context()
     rclpy.init(context=context)

@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 import pytest
-import yaml
 
 os.environ.setdefault('MUJOCO_GL', 'egl')
 rclpy = pytest.importorskip('rclpy')
@@ -30,7 +29,7 @@ from test_node import new_domain, wait_for  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint  # noqa: E402
 
 from oxygen_ros.aloha_sim import finger_from_gripper  # noqa: E402
-from oxygen_ros.eval import Processes, config_dir, robot_params, ros_env  # noqa: E402
+from oxygen_ros.eval import robot_params, start_rig  # noqa: E402
 from oxygen_ros.jtc import jtc_problems  # noqa: E402
 from oxygen_ros.msg import SimStep  # noqa: E402
 from oxygen_ros.srv import SimReset  # noqa: E402
@@ -134,23 +133,13 @@ class Watcher:
 def rig(tmp_path_factory):
     out = tmp_path_factory.mktemp('mujoco_aloha')
     domain = new_domain(111, 125)
-    cfg = config_dir()
-    overlay = out / 'test.yaml'
-    overlay.write_text(yaml.safe_dump({
+    procs = start_rig(out, domain, 'test.yaml', {
         'oxygen_node': {'ros__parameters': {
             'model': 'small', 'device': 'cpu', 'threads': 1, 'allow_random_weights': True,
             'autostart': True, 'narration_every_n_frames': 0}},
         # Smaller pictures than the RealSense's keep the software renderer's share small.
         'oxygen_mujoco_aloha': {'ros__parameters': {'image_width': 320, 'image_height': 240}},
-    }))
-    files = [cfg / 'pi05.yaml', cfg / 'aloha.yaml', cfg / 'aloha_mujoco.yaml', overlay]
-    params = [a for f in files for a in ('--params-file', str(f))]
-    env = ros_env(domain)
-    os.environ['ROS_DOMAIN_ID'] = domain
-    os.environ['FASTRTPS_DEFAULT_PROFILES_FILE'] = env['FASTRTPS_DEFAULT_PROFILES_FILE']
-    procs = Processes(out, env)
-    procs.start('robot', 'oxygen_ros.mujoco_aloha', *params)
-    procs.start('node', 'oxygen_ros.node', *params)
+    })
     context = rclpy.Context()
     rclpy.init(context=context)
     node = rclpy.create_node('watcher', context=context)
