@@ -6,7 +6,6 @@ The tests run in order on one node process: both robots commanded, each robot's 
 answered from its own frames, then one robot's camera stops while the other goes on.
 """
 import os
-import pathlib
 import re
 import shutil
 import subprocess
@@ -26,7 +25,7 @@ from rclpy.action import ActionClient  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
-from test_launch import HAVE_LAUNCH, NO_ROS2, env_for, stop  # noqa: E402
+from test_launch import HAVE_LAUNCH, NO_ROS2, env_for, stop, tiny_sim_file  # noqa: E402
 from test_node import (  # noqa: E402
     JOINTS,
     PARAMS,
@@ -257,12 +256,8 @@ def test_a_robot_whose_camera_stops_holds_the_other_goes_on(fleet):
 def test_ros2_launch_fleet_with_a_sim_robot_each(tmp_path):
     """fleet.launch.py robots:=a,b sim:=true: one node, one oxygen_sim_robot per namespace,
     and both robots commanded."""
-    share = pathlib.Path(ament.get_package_share_directory('oxygen_ros'))
     domain = new_domain(120, 220)
-    sim = yaml.safe_load((share / 'config' / 'sim.yaml').read_text())
-    sim['/**']['ros__parameters'].update(model='tiny', image_width=64, image_height=48)
-    params = tmp_path / 'sim_tiny.yaml'
-    params.write_text(yaml.safe_dump(sim))
+    params = tiny_sim_file(tmp_path)
     log = open(tmp_path / 'launch.log', 'w')
     proc = subprocess.Popen(
         ['ros2', 'launch', 'oxygen_ros', 'fleet.launch.py', 'robots:=a,b', 'robot:=sim',
@@ -282,7 +277,8 @@ def test_ros2_launch_fleet_with_a_sim_robot_each(tmp_path):
         ex.add_node(node)
         threading.Thread(target=ex.spin, daemon=True).start()
         try:
-            rate = sim['/**']['ros__parameters'].get('control_rate_hz', 70.0)
+            rate = yaml.safe_load(params.read_text())['/**']['ros__parameters'].get(
+                'control_rate_hz', 70.0)
             ok = {r: keeps_commanding(got[r], rate, lambda: proc.poll() is None, timeout=90)
                   for r in got}
         finally:

@@ -40,6 +40,17 @@ def installed():
     return prefix, share
 
 
+def tiny_sim_file(folder) -> pathlib.Path:
+    """config/sim.yaml on the tiny model with 64x48 images, written into `folder`: a robot
+    file the launch tests' nodes start fast on."""
+    share = pathlib.Path(ament.get_package_share_directory('oxygen_ros'))
+    sim = yaml.safe_load((share / 'config' / 'sim.yaml').read_text())
+    sim['/**']['ros__parameters'].update(model='tiny', image_width=64, image_height=48)
+    path = pathlib.Path(folder) / 'sim_tiny.yaml'
+    path.write_text(yaml.safe_dump(sim))
+    return path
+
+
 def env_for(domain):
     env = dict(os.environ, ROS_DOMAIN_ID=domain, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
     env.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
@@ -148,11 +159,7 @@ def test_same_executables_params_and_remaps_talk(tmp_path):
 def test_ros2_launch_sim(tmp_path):
     installed()
     domain = str(random.randint(120, 220))
-    sim = yaml.safe_load((pathlib.Path(ament.get_package_share_directory('oxygen_ros')) /
-                          'config' / 'sim.yaml').read_text())
-    sim['/**']['ros__parameters'].update(model='tiny', image_width=64, image_height=48)
-    params = tmp_path / 'sim_tiny.yaml'
-    params.write_text(yaml.safe_dump(sim))
+    params = tiny_sim_file(tmp_path)
     log = open(tmp_path / 'launch.log', 'w')
     proc = subprocess.Popen(
         ['ros2', 'launch', 'oxygen_ros', 'pi05.launch.py', 'robot:=sim', 'sim:=true',

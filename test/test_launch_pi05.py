@@ -13,6 +13,7 @@ import unittest
 
 import pytest
 import yaml
+from test_launch import tiny_sim_file  # noqa: E402
 from test_node import new_domain  # noqa: E402
 
 HAVE_LAUNCH_TESTING = importlib.util.find_spec('launch_testing') is not None
@@ -48,11 +49,7 @@ else:
         os.environ['OMP_NUM_THREADS'] = '1'
         share = get_package_share_directory('oxygen_ros')
         # The sim robot file on the tiny model, so the nodes start fast.
-        sim = yaml.safe_load(open(os.path.join(share, 'config', 'sim.yaml')))
-        sim['/**']['ros__parameters'].update(model='tiny', image_width=64, image_height=48)
-        params = os.path.join(tempfile.mkdtemp(prefix='launch_pi05_'), 'sim_tiny.yaml')
-        with open(params, 'w') as f:
-            yaml.safe_dump(sim, f)
+        params = str(tiny_sim_file(tempfile.mkdtemp(prefix='launch_pi05_')))
         pi05 = launch.actions.IncludeLaunchDescription(
             launch.launch_description_sources.PythonLaunchDescriptionSource(
                 os.path.join(share, 'launch', 'pi05.launch.py')),

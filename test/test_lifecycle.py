@@ -6,7 +6,6 @@ The tests run in order on one node process (configure, activate, the stop causes
 """
 import importlib.util
 import os
-import pathlib
 import re
 import shutil
 import signal
@@ -15,13 +14,13 @@ import sys
 import time
 
 import pytest
-import yaml
 
 rclpy = pytest.importorskip('rclpy')
 ament = pytest.importorskip('ament_index_python.packages')
 from lifecycle_msgs.msg import Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
+from test_launch import tiny_sim_file  # noqa: E402
 from test_node import (  # noqa: E402
     ARM,
     JOINTS,
@@ -314,11 +313,7 @@ def test_node_started_without_autostart_stays_unconfigured_on_sigterm(tmp_path, 
 def test_ros2_launch_survives_a_second_sigint(tmp_path, domain):
     """Ctrl-C twice in a terminal: the whole process group gets SIGINT twice, the nodes
     while they are already shutting down."""
-    share = pathlib.Path(ament.get_package_share_directory('oxygen_ros'))
-    sim = yaml.safe_load((share / 'config' / 'sim.yaml').read_text())
-    sim['/**']['ros__parameters'].update(model='tiny', image_width=64, image_height=48)
-    params = tmp_path / 'sim_tiny.yaml'
-    params.write_text(yaml.safe_dump(sim))
+    params = tiny_sim_file(tmp_path)
     log = tmp_path / 'launch.log'
     with open(log, 'w') as out:
         proc = subprocess.Popen(
