@@ -2,6 +2,8 @@
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +25,7 @@ from oxygen_ros.model.checkpoint import (
     infer_config,
     open_checkpoint,
 )
+from oxygen_ros.model.tokenizer import Tokenizer, action_prompt
 
 torch.set_num_threads(2)
 
@@ -377,8 +380,10 @@ def test_openpi_directory_facts(tmp_path):
 
 def test_engine_on_an_openpi_directory_cuts_to_the_robot_dims(tmp_path):
     from oxygen_ros.engine import Engine, EngineConfig, Observation
-    eng = Engine(EngineConfig(checkpoint=str(openpi_dir(tmp_path)), seed=0, max_requests=1,
-                              max_new_tokens=2))
+    # The built-in tokenizer's vocabulary, which it then runs with.
+    eng = Engine(EngineConfig(checkpoint=str(openpi_dir(tmp_path, vocab=512)), seed=0,
+                              max_requests=1, max_new_tokens=2))
+    assert eng.tokenizer_from.startswith("built-in")
     assert (eng.state_dim, eng.action_dim, eng.model_action_dim) == (3, 5, 8)
     noise = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
     state = np.array([0.3, 1.3, 2.9], np.float32)  # no normalised value near a bin edge
@@ -386,7 +391,7 @@ def test_engine_on_an_openpi_directory_cuts_to_the_robot_dims(tmp_path):
     got = eng.step(obs, noise=noise).actions
     # The same weights without stats: fed the state normalised by hand, it gives the model's
     # raw actions, all 8 dims.
-    raw = Engine(EngineConfig(checkpoint=str(openpi_dir(tmp_path / "b")), seed=0,
+    raw = Engine(EngineConfig(checkpoint=str(openpi_dir(tmp_path / "b", vocab=512)), seed=0,
                               max_requests=1, max_new_tokens=2, normalize=False,
                               prompt_format="pi05"))
     assert raw.action_dim == 8 and raw.state_dim is None  # no stats: the model's width
@@ -432,3 +437,74 @@ def test_model_dims_with_the_checkpoints_horizon(tmp_path):
     assert load_config("tiny").action_horizon == 4
     with pytest.raises(CheckpointError, match="does not match config 'small'"):
         open_checkpoint(path, dims=load_config("small"))
+
+
+# ------------------------------------------------------------------- the checkpoint's tokenizer
+# A checkpoint's embedding rows are the vocabulary it was trained on: prompt ids of another
+# tokenizer are meaningless to it, and its actions with them confidently wrong.
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SPM_448 = FIXTURES / "openpi_pi05" / "tokenizer.model"  # 448 pieces; the built-in has 512
+
+
+def engine_on(path, **kw):
+    from oxygen_ros.engine import Engine, EngineConfig
+    return Engine(EngineConfig(checkpoint=str(path), max_requests=1, max_new_tokens=2, **kw))
+
+
+@pytest.fixture(scope="module")
+def paligemma_sized(tmp_path_factory):
+    """An openpi directory whose model has PaliGemma's vocabulary: a width of 8 keeps the
+    embedding at 8 MB."""
+    torch.manual_seed(0)
+    model = Pi05(load_config("tiny", vocab=257152, vlm={"width": 8})).to_inference("cpu")
+    return save_checkpoint(model, tmp_path_factory.mktemp("pg") / "pi05_pg", OPENPI_STATS)
+
+
+def test_a_paligemma_vocabulary_without_its_tokenizer_names_the_file_to_give(paligemma_sized):
+    with pytest.raises(CheckpointError) as err:
+        engine_on(paligemma_sized)
+    message = str(err.value)
+    for part in (str(paligemma_sized), "PaliGemma's 257152-entry vocabulary",
+                 "built-in tokenizer's 512 pieces", "paligemma_tokenizer.model",
+                 "gs://big_vision/paligemma_tokenizer.model", "google/paligemma-3b-pt-224",
+                 "put it in the checkpoint directory as tokenizer.model"):
+        assert part in message, (part, message)
+    # Given, a tokenizer of another vocabulary is named with both sizes.
+    with pytest.raises(CheckpointError, match=rf"tokenizer {SPM_448} \(tokenizer\) has 448 "
+                       r"pieces but .* has a 257152-entry vocabulary .*\(PaliGemma's has "
+                       r"257152 pieces\)"):
+        engine_on(paligemma_sized, tokenizer=str(SPM_448))
+
+
+def test_another_vocabulary_without_its_tokenizer_is_refused(tmp_path):
+    path = openpi_dir(tmp_path)  # tiny: 1024 rows
+    with pytest.raises(CheckpointError, match=r"openpi has a 1024-entry vocabulary but no "
+                       r"tokenizer .* built-in tokenizer's 512 pieces .* trained with \(1024 "
+                       r"pieces\) as tokenizer"):
+        engine_on(path)
+    # One in its directory of another size is refused with both sizes too.
+    shutil.copy(SPM_448, path / "paligemma_tokenizer.model")
+    with pytest.raises(CheckpointError, match=r"paligemma_tokenizer.model \(found in the "
+                       r"checkpoint directory\) has 448 pieces but .* 1024-entry vocabulary"):
+        engine_on(path)
+
+
+def test_the_tokenizer_in_the_checkpoint_directory_is_used(tmp_path):
+    from oxygen_ros.engine import Observation
+    path = openpi_dir(tmp_path, vocab=448)
+    shutil.copy(SPM_448, path / "tokenizer.model")
+    eng = engine_on(path)
+    assert eng.tokenizer.source == str(path / "tokenizer.model")
+    assert eng.tokenizer_from == "found in the checkpoint directory"
+    obs = Observation(0.0, {}, np.array([0.3, 1.3, 2.9], np.float32), "wave")
+    text = action_prompt("wave", eng.norm.normalize_state(obs.state))
+    n = eng.model_cfg.max_token_len
+    ids = Tokenizer(SPM_448).tokenize(text, n)[0].tolist()
+    assert eng.frame(obs).tokens[0].tolist() == ids
+    assert ids != Tokenizer.default().tokenize(text, n)[0].tolist()  # another tokenizer
+    # Two different ones: which is meant is not guessed; the setting says.
+    (path / "paligemma_tokenizer.model").write_bytes(Tokenizer.default().model_proto())
+    with pytest.raises(CheckpointError, match="holds different tokenizers"):
+        engine_on(path)
+    assert engine_on(path, tokenizer=str(SPM_448)).tokenizer_from == "tokenizer"

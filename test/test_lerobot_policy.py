@@ -302,3 +302,33 @@ def test_conventions_can_be_overridden(tmp_path, weights):
     lerobot = engine(root).step(observation(), noise=noise()).actions
     openpi = eng.step(observation(), noise=noise()).actions
     assert not np.allclose(openpi, lerobot, atol=1e-3)
+
+
+def test_a_policy_without_its_tokenizer_names_the_one_its_preprocessor_loads(tmp_path, weights):
+    """The tiny model's 1024 rows are no tokenizer's here; what is looked for is named, and
+    LeRobot's saved tokenizer step (a folder the preprocessor names) is looked in."""
+    from pathlib import Path
+    spm = Path(__file__).resolve().parent / 'fixtures' / 'lerobot_pi05' / 'tokenizer.model'
+
+    def load(root):
+        return Engine(EngineConfig(checkpoint=str(root), model='tiny', max_requests=1,
+                                   max_new_tokens=2))
+
+    root = write_policy(tmp_path / 'p', weights)
+    with pytest.raises(CheckpointError, match=r'1024-entry vocabulary but no tokenizer .* its '
+                       r'policy_preprocessor.json names google/paligemma-3b-pt-224'):
+        load(root)
+
+    def saved_tokenizer(meta, pre, post):  # as LeRobot's save_artifacts records it
+        pre['steps'][5]['config']['tokenizer_name'] = 'tokenizer'
+
+    root = write_policy(tmp_path / 'q', weights, edit=saved_tokenizer)
+    (root / 'tokenizer').mkdir()
+    (root / 'tokenizer' / 'tokenizer.json').write_text('{}')
+    with pytest.raises(CheckpointError, match=r'its tokenizer/ has no tokenizer.model; a '
+                       r'tokenizer.json is not read'):
+        load(root)
+    (root / 'tokenizer' / 'tokenizer.model').write_bytes(spm.read_bytes())
+    with pytest.raises(CheckpointError, match=r'tokenizer/tokenizer.model \(found in the '
+                       r'checkpoint directory\) has 512 pieces but .* 1024-entry vocabulary'):
+        load(root)

@@ -1,4 +1,5 @@
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -6,10 +7,12 @@ import sentencepiece as spm
 
 from oxygen_ros.model import tokenizer as tk
 from oxygen_ros.model.tokenizer import (
+    BIN_VALUES,
     StreamDecoder,
     Tokenizer,
     action_prompt,
     discretize_state,
+    prompt_tokens,
     subtask_prompt,
 )
 
@@ -128,6 +131,43 @@ def test_action_prompt_format():
 
 def test_subtask_prompt_format():
     assert subtask_prompt("fold the towel") == "Task: fold the towel. Subtask: "
+    # As the node stores a prompt: stripped.
+    assert subtask_prompt(" fold the towel\n") == "Task: fold the towel. Subtask: "
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+TOKENIZERS = {"built-in": Tokenizer.default,
+              "openpi fixture": lambda: Tokenizer(FIXTURES / "openpi_pi05" / "tokenizer.model"),
+              "lerobot fixture": lambda: Tokenizer(FIXTURES / "lerobot_pi05" / "tokenizer.model")}
+
+
+def test_bin_values_cover_every_bin():
+    assert discretize_state(BIN_VALUES).tolist() == list(range(-1, 256))
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("task", ["wave", "stack_3 cups, then 12"])
+def test_prompt_tokens_is_the_most_any_state_takes(name, task):
+    tok = TOKENIZERS[name]()
+
+    def count(state):
+        return len(tok.encode(action_prompt(task, state)))
+
+    def most(bins):
+        # action_prompt's text (test_action_prompt_format) of states given by their bins
+        task_text = task.strip().replace("_", " ").replace("\n", " ")
+        texts = [f"Task: {task_text}, State: {' '.join(map(str, b))};\nAction: " for b in bins]
+        return max(len(ids) for ids in tok._sp.encode(texts, add_bos=True))
+
+    # Every 2-d state, bin by bin: the most is what prompt_tokens says.
+    every = range(-1, 256)
+    assert most([(a, b) for a in every for b in every]) == prompt_tokens(tok, task, 2)
+    # 7-d: random states never take more, and one with every value at 1 takes as many.
+    worst = prompt_tokens(tok, task, 7)
+    rng = np.random.default_rng(0)
+    assert most(rng.integers(-1, 256, size=(3000, 7))) <= worst == count(np.ones(7))
+    assert count(np.full(7, -0.99)) < worst  # bin 1 takes fewer: not vacuous
+    assert prompt_tokens(tok, task, 7, "subtask") == len(tok.encode(subtask_prompt(task)))
 
 
 def _stream(tok, ids):

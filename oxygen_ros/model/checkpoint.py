@@ -18,9 +18,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ExpertConfig, ModelConfig, VisionConfig, load_config
-from .lerobot_policy import is_lerobot, read_policy
+from .lerobot_policy import PRE, is_lerobot, read_policy
 from .pi05 import Pi05
 from .processing import CONVENTIONS, NormStats
+from .tokenizer import Tokenizer
 
 PG = "paligemma_with_expert.paligemma."
 VIT = PG + "model.vision_tower.vision_model."
@@ -41,6 +42,13 @@ VARIANTS = {
 
 class CheckpointError(ValueError):
     pass
+
+
+# Where a checkpoint directory may carry its SentencePiece tokenizer: as openpi names
+# PaliGemma's file, as Hugging Face repositories name theirs, and where LeRobot's saved
+# tokenizer step puts it (save_pretrained into tokenizer/).
+TOKENIZER_FILES = ("tokenizer.model", "paligemma_tokenizer.model", "tokenizer/tokenizer.model")
+PALIGEMMA_VOCAB = 257152
 
 
 def _layout(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
@@ -328,6 +336,8 @@ def open_checkpoint(path, dims: ModelConfig | None = None, device="cpu", dtype=N
         if conventions is not None:
             norm = NormStats(norm.state, norm.actions, conventions)
     cfg = model.cfg
+    info = {**info, "directory": None if root is None else str(root),
+            "tokenizers": [] if root is None else find_tokenizers(root)}
     # openpi's stats are computed on what the robot transforms give: the robot's dims.
     state_dim = norm.state.dim if norm is not None else None
     action_dim = min(norm.actions.dim, cfg.action_dim) if norm is not None else cfg.action_dim
@@ -349,10 +359,72 @@ def _open_lerobot(weights, root, meta, dims, device, dtype, normalize, conventio
     norm = policy.norm
     if norm is not None and conventions is not None:
         norm = NormStats(norm.state, norm.actions, conventions, norm.eps)
-    info = {**info, "stats_files": list(policy.stats_files), "variants": policy.variants}
+    info = {**info, "stats_files": list(policy.stats_files), "variants": policy.variants,
+            "directory": str(root), "tokenizers": find_tokenizers(root, policy.tokenizer_name),
+            "tokenizer_name": policy.tokenizer_name}
     return Checkpoint(model, norm, "lerobot", conventions or "lerobot", policy.slots,
                       policy.state_dim, policy.action_dim, policy.horizon,
                       policy.n_action_steps, policy.denoise_steps, info)
+
+
+def find_tokenizers(root: Path, named: str | None = None) -> list[str]:
+    """The SentencePiece files a checkpoint directory carries: TOKENIZER_FILES, and
+    tokenizer.model in the folder LeRobot's preprocessor names."""
+    names = list(TOKENIZER_FILES)
+    if named and not Path(named).is_absolute() and (root / named).is_dir():
+        names.append(f"{named}/tokenizer.model")
+    return [str(root / n) for n in dict.fromkeys(names) if (root / n).is_file()]
+
+
+def checkpoint_tokenizer(ck: Checkpoint, path: str = "") -> tuple[Tokenizer, str]:
+    """The tokenizer for checkpoint `ck` and where it came from: `path` (the tokenizer
+    setting), else the one its directory carries, else the built-in tokenizer if the
+    checkpoint has its vocabulary. The embedding rows are the vocabulary the model was
+    trained on: ids from another tokenizer mean nothing to it, so anything else is a
+    CheckpointError saying what to give."""
+    vocab = ck.model.cfg.vocab
+    where = ck.info.get("directory") or ck.info.get("path") or "the checkpoint"
+    files = ck.info.get("tokenizers", [])
+    if not path and len({Path(f).read_bytes() for f in files}) > 1:
+        raise CheckpointError(f"{where} holds different tokenizers ({', '.join(files)}): "
+                              f"name the one it was trained with as tokenizer")
+    found = files[0] if files else None
+    if path or found:
+        tok = Tokenizer(path or found)
+        how = "tokenizer" if path else "found in the checkpoint directory"
+        if tok.vocab_size != vocab:
+            known = " (PaliGemma's has 257152 pieces)" if vocab == PALIGEMMA_VOCAB else ""
+            raise CheckpointError(f"tokenizer {tok.source} ({how}) has {tok.vocab_size} pieces "
+                                  f"but {where} has a {vocab}-entry vocabulary (embedding "
+                                  f"rows): give the tokenizer it was trained with{known}")
+        return tok, how
+    tok = Tokenizer.default()
+    if tok.vocab_size == vocab:
+        return tok, "built-in, of the checkpoint's vocabulary"
+    raise CheckpointError(_no_tokenizer(ck, where, vocab, tok.vocab_size))
+
+
+def _no_tokenizer(ck: Checkpoint, where: str, vocab: int, builtin: int) -> str:
+    root = ck.info.get("directory")
+    looked = f" nor in its directory ({', '.join(TOKENIZER_FILES)})" if root else ""
+    if root and (Path(root) / "tokenizer").is_dir():
+        looked += " (its tokenizer/ has no tokenizer.model; a tokenizer.json is not read)"
+    named = ck.info.get("tokenizer_name")
+    named = f"; its {PRE} names {named}" if named else ""
+    kind = "PaliGemma's" if vocab == PALIGEMMA_VOCAB else "a"
+    text = (f"{where} has {kind} {vocab}-entry vocabulary but no tokenizer was given "
+            f"(tokenizer:){looked}, and the built-in tokenizer's {builtin} pieces would be "
+            f"meaningless prompt ids to it{named}. ")
+    if vocab == PALIGEMMA_VOCAB:
+        text += ("Give PaliGemma's SentencePiece model as tokenizer: paligemma_tokenizer.model, "
+                 "which openpi downloads from gs://big_vision/paligemma_tokenizer.model into "
+                 "~/.cache/openpi/big_vision/, or tokenizer.model of the Hugging Face "
+                 "repository google/paligemma-3b-pt-224, the tokenizer LeRobot's pi05 loads")
+    else:
+        text += f"Give the SentencePiece model it was trained with ({vocab} pieces) as tokenizer"
+    if root:
+        text += ", or put it in the checkpoint directory as tokenizer.model"
+    return text
 
 
 def _variant(e: ExpertConfig) -> str:

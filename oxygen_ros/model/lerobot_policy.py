@@ -47,6 +47,9 @@ class LeRobotPolicy:
     variants: dict[str, str]  # paligemma_variant / action_expert_variant as config.json says
     norm: NormStats | None
     stats_files: tuple[str, ...]
+    # What the preprocessor's tokenizer step loads: a Hugging Face repository (e.g.
+    # google/paligemma-3b-pt-224) or the folder it saved the tokenizer to; None: not said.
+    tokenizer_name: str | None = None
 
 
 def is_lerobot(meta: dict) -> bool:
@@ -156,6 +159,16 @@ def _norm(root: Path, meta: dict) -> tuple[NormStats | None, list[str]]:
     return NormStats(state, action or Stats({}, "IDENTITY"), "lerobot", eps), files
 
 
+def _tokenizer_name(root: Path) -> str | None:
+    if not (root / PRE).is_file():
+        return None
+    for step in _steps(root, PRE):
+        if step.get("registry_name") == "tokenizer_processor":
+            name = (step.get("config") or {}).get("tokenizer_name")
+            return name if isinstance(name, str) and name else None
+    return None
+
+
 def read_policy(root: Path, meta: dict, normalize: bool = True) -> LeRobotPolicy:
     """The facts of a LeRobot policy directory whose config.json is ``meta``."""
     if meta.get("type") != "pi05":
@@ -213,4 +226,5 @@ def read_policy(root: Path, meta: dict, normalize: bool = True) -> LeRobotPolicy
         else 10,
         variants={k: meta[k] for k in ("paligemma_variant", "action_expert_variant")
                   if k in meta},
-        norm=norm if normalize else None, stats_files=tuple(files))
+        norm=norm if normalize else None, stats_files=tuple(files),
+        tokenizer_name=_tokenizer_name(root))

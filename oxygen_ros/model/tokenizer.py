@@ -59,6 +59,7 @@ class Tokenizer:
                 f"got pad {self._sp.pad_id()} and eos {self._sp.eos_id()}"
             )
         self.bos_id = self._sp.bos_id()
+        self._longest: int | None = None
 
     def model_proto(self) -> bytes:
         """The SentencePiece model, as a .model file holds it."""
@@ -75,6 +76,15 @@ class Tokenizer:
     @property
     def pad_id(self) -> int:
         return PAD_ID
+
+    @property
+    def longest_piece(self) -> int:
+        """The most characters one token stands for (a byte piece such as <0xE2> counts its
+        six): bounds how much text fits in n tokens without encoding it."""
+        if self._longest is None:
+            sp = self._sp
+            self._longest = max(len(sp.id_to_piece(i)) for i in range(sp.vocab_size()))
+        return self._longest
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return self._sp.encode(text, add_bos=bos)
@@ -130,7 +140,33 @@ def action_prompt(task: str, state: Sequence[float] | np.ndarray) -> str:
 
 
 def subtask_prompt(task: str) -> str:
-    return f"Task: {task}. Subtask: "
+    return f"Task: {task.strip()}. Subtask: "
+
+
+# A normalised value in each bin discretize_state gives: -1 (below -1), 0 .. 255.
+BIN_VALUES = np.concatenate(([-2.0], np.linspace(-1.0, 1.0, 257)[:-1] + 1.0 / 256))
+
+
+def prompt_tokens(tokenizer: Tokenizer, task: str, state_dim: int,
+                  prompt_format: str = "pi05") -> int:
+    """The most tokens (BOS included) the model's prefix text of `task` can take: with
+    "pi05", over every normalised state of `state_dim` dims (action_prompt); "subtask" has
+    no state. Tokenize cuts at max_token_len, so past it the state is lost.
+
+    The most over the states whose values all fall in one bin, which is the most over all
+    states when each digit is a piece of its own (SentencePiece's split_digits; PaliGemma's
+    tokenizer and the built-in one are so trained): a value's tokens are then its digits and
+    what the space and sign before it become, whatever the other values are, so a state of
+    three-digit bins (100 .. 255) takes the most.
+    """
+    if prompt_format == "subtask":
+        return len(tokenizer.encode(subtask_prompt(task)))
+    if prompt_format != "pi05":
+        raise ValueError(f"unknown prompt format {prompt_format!r}")
+    if state_dim < 1:
+        raise ValueError(f"state_dim must be >= 1, got {state_dim}")
+    return max(len(tokenizer.encode(action_prompt(task, np.full(state_dim, x))))
+               for x in BIN_VALUES)
 
 
 class StreamDecoder:
