@@ -60,6 +60,7 @@ class Assembler:
         max_input_age: float = 0.5,
         max_skew: float = 0.1,
         trigger: Iterable[str] | None = None,
+        max_ahead: float = 0.05,
     ):
         self.required = list(required)
         self.optional = [n for n in optional if n not in self.required]
@@ -71,6 +72,9 @@ class Assembler:
             )
         self.max_input_age = max_input_age
         self.max_skew = max_skew
+        # A sample stamped further ahead of the clock than this is not usable: after the
+        # clock stepped back its age would stay negative and never reach max_input_age.
+        self.max_ahead = max_ahead
         self.trigger = set(self.names if trigger is None else trigger)
         unknown = sorted(self.trigger - set(self.names))
         if unknown:
@@ -157,7 +161,23 @@ class Assembler:
         age = now - held[-1].stamp
         if age > self.max_input_age:
             return f'stale ({age * 1e3:.0f} ms old, limit {self.max_input_age * 1e3:.0f} ms)'
+        if age < -self.max_ahead:
+            return (f'stamped {-age * 1e3:.0f} ms ahead of the clock (limit '
+                    f'{self.max_ahead * 1e3:.0f} ms; did the clock jump back?)')
         return None
+
+    def unusable(self, name: str, now: float) -> str | None:
+        """Why input `name` cannot be used at `now` (missing, stale, ahead), or None."""
+        with self._lock:
+            held = self._samples.get(name)
+            held = list(held) if held else None
+        return self._unusable(held, now)
+
+    def clear(self) -> None:
+        """Forget every sample (the clock jumped: their ages mean nothing now)."""
+        with self._lock:
+            self._samples.clear()
+            self._taken = self._new = self._seq
 
     def _skew(self, used: Mapping[str, Sample]) -> str | None:
         if len(used) < 2:
@@ -209,9 +229,32 @@ class JointReadings:
         with self._lock:
             return self._values.get(name)
 
+    def last(self, name: str) -> tuple[float, float] | None:
+        """(value, stamp) of the last reading of `name`."""
+        with self._lock:
+            if name not in self._values:
+                return None
+            return self._values[name], self._stamps[name]
+
+    def fresh(self, name: str, now: float, max_age: float,
+              ahead: float = 0.0) -> tuple[float, float] | None:
+        """(value, stamp) of the last reading of `name` if it was read at most max_age
+        before `now` (by its own stamp) and at most `ahead` after it, else None."""
+        with self._lock:
+            t = self._stamps.get(name)
+            if t is None or not now - max_age <= t <= now + ahead:
+                return None
+            return self._values[name], t
+
     def values(self) -> dict[str, float]:
         with self._lock:
             return dict(self._values)
+
+    def clear(self) -> None:
+        """Forget every reading (the clock jumped: their stamps mean nothing now)."""
+        with self._lock:
+            self._values.clear()
+            self._stamps.clear()
 
 
 # Bytes per pixel of the colour encodings only cv_bridge converts to RGB (its
@@ -243,6 +286,24 @@ def _unsupported(encoding: str, bridged: bool) -> str:
         return f'unsupported image encoding {encoding!r}; supported: {built_in}, {more}'
     return (f'unsupported image encoding {encoding!r}; supported: {built_in} (and with '
             f'cv_bridge: {more})')
+
+
+# The largest image taken unless max_image_pixels / max_image_bytes say otherwise: a
+# 4096x4096 camera, and 64 MiB (4096x4096 rgb8 is 48 MiB). A camera's messages are held for
+# a frame and converted, so a bigger one costs memory and time on every image.
+MAX_PIXELS = 4096 * 4096
+MAX_BYTES = 1 << 26
+
+
+def check_size(width: int, height: int, nbytes: int, max_pixels: int = MAX_PIXELS,
+               max_bytes: int = MAX_BYTES, what: str = 'image') -> None:
+    """ValueError when a `width` x `height` image of `nbytes` bytes is over the caps; checked
+    before anything is converted or decoded."""
+    if width * height > max_pixels:
+        raise ValueError(f'{what} of {width}x{height} pixels is over max_image_pixels '
+                         f'({max_pixels})')
+    if nbytes > max_bytes:
+        raise ValueError(f'{what} of {nbytes} bytes is over max_image_bytes ({max_bytes})')
 
 
 def check_image(encoding: str, height: int, width: int, step: int, size: int,
@@ -329,11 +390,12 @@ def _via_bridge(encoding: str) -> bool:
         encoding in ENCODINGS or encoding in BRIDGE_ENCODINGS)
 
 
-def image_problem(msg) -> str | None:
+def image_problem(msg, max_pixels: int = MAX_PIXELS, max_bytes: int = MAX_BYTES) -> str | None:
     """Why a sensor_msgs/Image cannot be converted, or None. Only reads the header and the
     buffer length, so a subscription callback can afford it."""
     header = (msg.encoding, msg.height, msg.width, msg.step, len(msg.data))
     try:
+        check_size(msg.width, msg.height, len(msg.data), max_pixels, max_bytes)
         if _via_bridge(msg.encoding):
             check_bridged(*header)
         else:
@@ -367,6 +429,11 @@ class Reporter:
     Repeats inside the window are counted and the count is added to the next message, so a
     problem that happens at 30 Hz reads as one line with "(120 more since)" instead of a
     flood. Totals per key stay available for diagnostics.
+
+    Keys name kinds of problems (robot_link.problem_key keeps what a sender controls out of
+    them). Should ever more keys come anyway, those past `max_keys` are counted under
+    '<kind>:other' (kind: the key up to its first ':'), so the dictionaries stay bounded and
+    the rate limit holds.
     """
 
     def __init__(
@@ -375,11 +442,13 @@ class Reporter:
         period: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         keep: int = 20,
+        max_keys: int = 256,
     ):
         self.say = say
         self.period = period
         self.clock = clock
         self.keep = keep
+        self.max_keys = max_keys
         self.totals: dict[str, int] = {}
         self.recent: list[str] = []  # the last messages said, newest last
         self._last: dict[str, float] = {}
@@ -392,6 +461,8 @@ class Reporter:
         message = message or key
         now = self.clock()
         with self._lock:
+            if key not in self.totals and len(self.totals) >= self.max_keys:
+                key = key.partition(':')[0] + ':other'
             self.totals[key] = self.totals.get(key, 0) + 1
             last = self._last.get(key)
             if last is not None and now - last < self.period:

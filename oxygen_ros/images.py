@@ -31,16 +31,29 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from oxygen_ros.frames import BRIDGE_ENCODINGS, ENCODINGS, NOT_COLOUR, bridge, image_to_rgb
+from oxygen_ros.frames import (
+    BRIDGE_ENCODINGS,
+    ENCODINGS,
+    MAX_BYTES,
+    MAX_PIXELS,
+    NOT_COLOUR,
+    bridge,
+    check_size,
+    image_to_rgb,
+)
 
 # What the publisher calls colour (sensor_msgs image_encodings isColor).
 COLOUR = ('rgb8', 'bgr8', 'rgba8', 'bgra8', 'rgb16', 'bgr16', 'rgba16', 'bgra16')
 MAGIC = {'jpeg': (b'\xff\xd8\xff',), 'png': (b'\x89PNG\r\n\x1a\n',),
          'tiff': (b'II*\x00', b'MM\x00*')}
 PNG_END = b'\x00\x00\x00\x00IEND\xaeB`\x82'
-# A header promising more than this is refused before decoding allocates for it
-# (8192 x 4096: 100 MB as RGB).
-MAX_PIXELS = 8192 * 4096
+# OpenCV 4.11 reads a PNG chunk by chunk and allocates what a chunk's length field says
+# before it finds the payload shorter (a 1 kB PNG saying 3 GB took 2.9 GB and 7 s): every
+# length is checked against the payload first. Encoders write a few dozen chunks.
+MAX_CHUNKS = 10_000
+# A progressive JPEG is decoded once per scan: thousands of tiny scans make a small payload
+# cost minutes. Encoders write about ten.
+MAX_SCANS = 100
 FORMAT = re.compile(r'(?P<enc>[^;]*); (?P<codec>jpeg|png|tiff) compressed ?(?P<packed>\S*)')
 # What each codec may hold, per the publisher.
 PACKED = {'jpeg': ('bgr8', 'mono8'), 'png': ('bgr8', 'bgr16', ''), 'tiff': ('',)}
@@ -109,15 +122,19 @@ def _kind(data: bytes) -> str | None:
     return next((k for k, sigs in MAGIC.items() if data.startswith(sigs)), None)
 
 
-def header_size(codec: str, data: bytes) -> tuple[int, int] | None:
-    """(width, height) from a JPEG's or PNG's header without decoding it; None for tiff.
-    ValueError when the header is not there."""
+def header_size(codec: str, data: bytes) -> tuple[int, int, int]:
+    """(width, height, bytes per pixel once decoded) from a JPEG's, PNG's or TIFF's header
+    (TIFF: its first directory, the image OpenCV decodes), without decoding it. ValueError
+    when the header is not there or not readable."""
     if codec == 'png':
-        if len(data) < 24 or data[12:16] != b'IHDR':
+        if len(data) < 26 or data[12:16] != b'IHDR':
             raise ValueError('PNG without its IHDR header')
-        return int.from_bytes(data[16:20], 'big'), int.from_bytes(data[20:24], 'big')
-    if codec != 'jpeg':
-        return None
+        # Colour type: grey, -, RGB, palette (decoded as BGR), grey + alpha, -, RGBA.
+        channels = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}.get(data[25], 4)
+        return (int.from_bytes(data[16:20], 'big'), int.from_bytes(data[20:24], 'big'),
+                channels * (2 if data[24] > 8 else 1))
+    if codec == 'tiff':
+        return _tiff_size(data)
     # Walk the marker segments up to the frame header (SOFn), which holds the size.
     i, n = 2, len(data)
     while i + 4 <= n:
@@ -134,20 +151,79 @@ def header_size(codec: str, data: bytes) -> tuple[int, int] | None:
             break
         length = int.from_bytes(data[i + 2:i + 4], 'big')
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            if i + 9 > n:
+            if i + 10 > n:
                 break
-            return int.from_bytes(data[i + 7:i + 9], 'big'), int.from_bytes(data[i + 5:i + 7],
-                                                                             'big')
+            # Decoded as grey or BGR, 16-bit values for more than 8 bits of precision.
+            per = (1 if data[i + 9] == 1 else 3) * (2 if data[i + 4] > 8 else 1)
+            return (int.from_bytes(data[i + 7:i + 9], 'big'),
+                    int.from_bytes(data[i + 5:i + 7], 'big'), per)
         i += 2 + length
     raise ValueError('JPEG without a readable frame header (SOF)')
 
 
-def check_payload(fmt: Format, data: bytes) -> tuple[int, int] | None:
-    """ValueError unless `data` looks like a whole image of `fmt`'s codec; returns its size
-    from the header (None for tiff). Cheap: no decoding."""
+def _png_chunks(data: bytes) -> None:
+    """ValueError unless the PNG's chunks (length, type, data, CRC) tile the payload."""
+    i, n, count = 8, len(data), 0
+    while i < n:
+        count += 1
+        if count > MAX_CHUNKS:
+            raise ValueError(f'PNG of more than {MAX_CHUNKS} chunks')
+        if i + 12 > n:
+            raise ValueError(f'PNG chunk at byte {i} cut short')
+        size = int.from_bytes(data[i:i + 4], 'big')
+        if i + 12 + size > n:
+            raise ValueError(f'PNG chunk at byte {i} says {size} bytes, past the end of the '
+                             f'{n}-byte payload')
+        i += 12 + size
+
+
+def _tiff_size(data: bytes) -> tuple[int, int, int]:
+    """ImageWidth, ImageLength and SamplesPerPixel x BitsPerSample of a TIFF's first image
+    file directory (TIFF 6.0, section 2)."""
+    order = 'little' if data[:2] == b'II' else 'big'
+
+    def read(at: int, n: int) -> int:
+        if at + n > len(data):
+            raise ValueError(f'TIFF directory runs past the {len(data)}-byte payload')
+        return int.from_bytes(data[at:at + n], order)
+
+    ifd = read(4, 4)
+    tags: dict[int, list[int]] = {}
+    for k in range(read(ifd, 2)):
+        e = ifd + 2 + 12 * k
+        tag, kind, count = read(e, 2), read(e + 2, 2), read(e + 4, 4)
+        if tag not in (256, 257, 258, 277):
+            continue
+        if tag in tags:
+            raise ValueError(f'TIFF directory gives tag {tag} twice')
+        size = {3: 2, 4: 4}.get(kind)  # SHORT, LONG
+        most = 8 if tag == 258 else 1  # BitsPerSample: one a sample
+        if size is None or not 1 <= count <= most:
+            raise ValueError(f'TIFF tag {tag}: {count} values of type {kind}, not 1 to {most} '
+                             'SHORT or LONG values')
+        at = e + 8 if count * size <= 4 else read(e + 8, 4)
+        tags[tag] = [read(at + j * size, size) for j in range(count)]
+    if 256 not in tags or 257 not in tags:
+        raise ValueError('TIFF without ImageWidth and ImageLength in its first directory')
+    spp = tags.get(277, [1])[0]
+    bits = max(tags.get(258, [1]))
+    if not 1 <= spp <= 4 or bits > 16:
+        raise ValueError(f'TIFF of {spp} samples per pixel of {bits} bits: at most 4 of 16 '
+                         'are decoded')
+    return tags[256][0], tags[257][0], spp * (2 if bits > 8 else 1)
+
+
+def check_payload(fmt: Format, data: bytes, max_pixels: int = MAX_PIXELS,
+                  max_bytes: int = MAX_BYTES) -> tuple[int, int]:
+    """ValueError unless `data` looks like a whole image of `fmt`'s codec, within the caps:
+    `max_bytes` for the payload and for what it decodes to, `max_pixels` for its size. Returns
+    its (width, height) from the header. Cheap: no decoding."""
     if not data:
         raise ValueError(f'empty {fmt.codec} payload')
     name = fmt.codec.upper()
+    if len(data) > max_bytes:
+        raise ValueError(f'{name} payload of {len(data)} bytes is over max_image_bytes '
+                         f'({max_bytes})')
     kind = _kind(data)
     if kind != fmt.codec:
         what = f'a {kind.upper()}' if kind else f'not a {name} (it starts {data[:4].hex()})'
@@ -157,11 +233,18 @@ def check_payload(fmt: Format, data: bytes) -> tuple[int, int] | None:
         raise ValueError(f'the {len(data)}-byte JPEG has no end-of-image marker: cut short')
     if fmt.codec == 'png' and not data.endswith(PNG_END):
         raise ValueError(f'the {len(data)}-byte PNG has no IEND chunk at its end: cut short')
-    size = header_size(fmt.codec, data)
-    if size is not None and (min(size) <= 0 or size[0] * size[1] > MAX_PIXELS):
-        raise ValueError(f'{name} header says {size[0]}x{size[1]} pixels (at most '
-                         f'{MAX_PIXELS} taken)')
-    return size
+    if fmt.codec == 'png':
+        _png_chunks(data)
+    w, h, per = header_size(fmt.codec, data)
+    if min(w, h) <= 0:
+        raise ValueError(f'{name} header says {w}x{h} pixels')
+    check_size(w, h, w * h * per, max_pixels, max_bytes, f'{name} header says an image')
+    if fmt.codec == 'jpeg':
+        # Markers inside scan data are escaped (FF 00), so this counts scan headers.
+        scans = data.count(b'\xff\xda')
+        if scans > MAX_SCANS:
+            raise ValueError(f'JPEG of {scans} scans (at most {MAX_SCANS} taken)')
+    return w, h
 
 
 def _imdecode(data: bytes, via: str):
@@ -187,13 +270,18 @@ def to_8bit(px: np.ndarray) -> np.ndarray:
     return ((px.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
 
 
-def decode(fmt_text: str, data, via: str = 'auto') -> np.ndarray:
+def decode(fmt_text: str, data, via: str = 'auto', max_pixels: int = MAX_PIXELS,
+           max_bytes: int = MAX_BYTES) -> np.ndarray:
     """HxWx3 uint8 RGB from a CompressedImage's `format` and `data`, or ValueError.
 
-    `via`: 'cv_bridge', 'cv2', or 'auto' (cv_bridge where installed)."""
+    `via`: 'cv_bridge', 'cv2', or 'auto' (cv_bridge where installed); the caps as for
+    check_payload."""
     fmt = parse_format(fmt_text)
+    if len(data) > max_bytes:  # before copying it
+        raise ValueError(f'{fmt.codec.upper()} payload of {len(data)} bytes is over '
+                         f'max_image_bytes ({max_bytes})')
     data = bytes(data)
-    return _decode(fmt, fmt_text, data, check_payload(fmt, data), via)
+    return _decode(fmt, fmt_text, data, check_payload(fmt, data, max_pixels, max_bytes), via)
 
 
 def _decode(fmt: Format, fmt_text: str, data: bytes, size, via: str) -> np.ndarray:
@@ -206,7 +294,7 @@ def _decode(fmt: Format, fmt_text: str, data: bytes, size, via: str) -> np.ndarr
         raise ValueError(f'the {len(data)}-byte {fmt.codec.upper()} is corrupt: it does not '
                          'decode')
     h, w = px.shape[:2]
-    if size is not None and size != (w, h):
+    if size != (w, h):
         raise ValueError(f'decoded {w}x{h}, its header says {size[0]}x{size[1]}')
     channels = 1 if px.ndim == 2 else px.shape[2]
     bits = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16}.get(px.dtype)
@@ -265,16 +353,21 @@ class Camera:
     one (a camera does not change its resolution while the node runs; an image that does
     is a broken one, and the model would see another scene scale)."""
 
-    def __init__(self, via: str = 'auto'):
+    def __init__(self, via: str = 'auto', max_pixels: int = MAX_PIXELS,
+                 max_bytes: int = MAX_BYTES):
         self.via = via
+        self.max_pixels, self.max_bytes = max_pixels, max_bytes
         self.size: tuple[int, int] | None = None  # (width, height) of the first good image
 
     def decode(self, fmt_text: str, data) -> np.ndarray:
         fmt = parse_format(fmt_text)
+        if len(data) > self.max_bytes:  # before copying it
+            raise ValueError(f'{fmt.codec.upper()} payload of {len(data)} bytes is over '
+                             f'max_image_bytes ({self.max_bytes})')
         data = bytes(data)
-        size = check_payload(fmt, data)
+        size = check_payload(fmt, data, self.max_pixels, self.max_bytes)
         # From the header: a payload of another size is not even decoded.
-        if size is not None and self.size is not None and size != self.size:
+        if self.size is not None and size != self.size:
             raise self._resized(size)
         rgb = _decode(fmt, fmt_text, data, size, self.via)
         got = (rgb.shape[1], rgb.shape[0])

@@ -262,7 +262,8 @@ BAD = [
     ('unknown encoding', 'foo8; jpeg compressed bgr8', JPEG, r"unknown image encoding 'foo8'"),
     ('mono labelled colour target', 'mono8; jpeg compressed bgr8', JPEG,
      r"a mono8 image is not compressed as 'bgr8'"),
-    ('a header of 100000x100000', P, huge_png(), r'PNG header says 100000x100000 pixels'),
+    ('a header of 100000x100000', P, huge_png(),
+     r'PNG header says an image of 100000x100000 pixels is over max_image_pixels'),
 ]
 
 
@@ -295,10 +296,13 @@ def test_a_camera_keeps_its_first_size():
 def test_header_size_reads_jpeg_and_png_headers():
     for w, h in ((64, 48), (640, 480), (1280, 720)):
         img = cv2.resize(SCENE, (w, h))
-        assert images.header_size('jpeg', cv2.imencode('.jpg', img)[1].tobytes()) == (w, h)
-        assert images.header_size('png', cv2.imencode('.png', img)[1].tobytes()) == (w, h)
+        # (width, height, bytes a decoded pixel takes: 3 of 8 bits)
+        assert images.header_size('jpeg', cv2.imencode('.jpg', img)[1].tobytes()) == (w, h, 3)
+        assert images.header_size('png', cv2.imencode('.png', img)[1].tobytes()) == (w, h, 3)
         progressive = cv2.imencode('.jpg', img, [cv2.IMWRITE_JPEG_PROGRESSIVE, 1])[1].tobytes()
-        assert images.header_size('jpeg', progressive) == (w, h)
+        assert images.header_size('jpeg', progressive) == (w, h, 3)
+        grey16 = cv2.imencode('.png', np.zeros((h, w), np.uint16))[1].tobytes()
+        assert images.header_size('png', grey16) == (w, h, 2)
 
 
 # -- camera_transports -----------------------------------------------------------------------
