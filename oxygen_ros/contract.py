@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import yaml
-
-from oxygen_ros.frames import Assembler
+from oxygen_ros import safe_yaml
+from oxygen_ros.frames import MAX_BYTES, MAX_PIXELS, Assembler
 from oxygen_ros.limits import JointLimits, parse_limits
 from oxygen_ros.profiles import JointMap, make_profile
+from oxygen_ros.safe_yaml import shown
 
 QOS_CHOICES = ('sensor_data', 'reliable', 'best_effort')
 
@@ -65,15 +66,20 @@ PARAMS = (
           'lifecycle transitions'),
     Param('allow_random_weights', False, "let a robot profile other than 'identity' activate "
           "without a checkpoint (random weights: for timing and simulation only)"),
-    Param('max_command_horizon', 0.5, 's; no published trajectory point lies further ahead',
-          low=0.0, above=True, live=True),
+    Param('max_command_horizon', 0.5, 's; no published trajectory point lies further ahead; '
+          '10 s holds a 50-action chunk at 5 Hz', low=0.0, above=True, high=10.0, live=True),
     Param('play_steps', 0, 'play only the first n actions of each chunk, then hold unless a '
           'newer chunk arrived; 0 = all', low=0, live=True),
     Param('max_future_stamp', 0.05, 's; inputs stamped further ahead of the node clock are '
-          'rejected', low=0.0),
+          'rejected; a second ahead is clocks out of sync, not latency', low=0.0, high=1.0),
+    Param('commander_check', 3.0, 's; how long the node listens on its trajectory topics for '
+          'another commander before activating (when another node publishes on them) and '
+          'before commanding again after its inputs were stale this long (a healed network '
+          'partition); longer than DDS takes to rediscover a host', low=0.0, high=60.0),
     Param('limit_hold_margin', 0.1, 'fraction of a joint\'s range (joint_limits): a target or '
           'measured position beyond a position limit by more than this holds the robot '
-          'instead of being clamped', low=0.0),
+          'instead of being clamped; 1 is a whole range past the limit, 1000 clamps always',
+          low=0.0, high=1000.0),
     Param('publish_predicted', False, '~/predicted_trajectory: the whole chunk of each frame'),
     # model and engine
     Param('model', '', "model config ('tiny', 'small', 'pi05' or a YAML path); with a "
@@ -87,7 +93,9 @@ PARAMS = (
           "'lerobot'; '' = what the checkpoint directory is",
           choices=('', 'openpi', 'lerobot')),
     Param('asset_id', '', "openpi: which assets/<asset_id>/norm_stats.json; '' = the only one"),
-    Param('tokenizer', '', "SentencePiece model; '' = the built-in tokenizer"),
+    Param('tokenizer', '', "SentencePiece model of the checkpoint's vocabulary; '' = the "
+          "checkpoint directory's tokenizer.model or paligemma_tokenizer.model, else the "
+          "built-in tokenizer (random weights, or a checkpoint of its 512-entry vocabulary)"),
     Param('device', 'cpu', "'cpu' or 'cuda'"),
     Param('threads', 1, 'torch threads; keep below the core count so control keeps time',
           low=0),
@@ -97,7 +105,8 @@ PARAMS = (
           live=True),
     Param('frame_budget_ms', 0.0, 'time per frame (narration decoding fills what the actions '
           'leave); 0 = half the chunk duration, so the next chunk is ready while this one '
-          'still plays', low=0.0),
+          'still plays; 10 s is the longest chunk (max_command_horizon)', low=0.0,
+          high=10000.0),
     Param('max_requests', 8, 'language requests (narration and ~/ask questions) decoded at '
           'once (KV cache rows)', low=1),
     Param('max_new_tokens', 30, 'tokens per narration request; live changes may only lower '
@@ -105,6 +114,11 @@ PARAMS = (
     Param('max_question_tokens', 48, "KV columns each row keeps for a ~/ask question's own "
           'tokens (the built-in tokenizer takes 23 for "is the cup in the gripper?" with its '
           'Question/Answer format); 0 = no questions', low=0),
+    Param('max_open_questions', 16, '~/ask goals open at once (per robot in a fleet); one '
+          'more is refused with the reason', low=1, high=1024),
+    Param('question_timeout', 5.0, 's; a ~/ask question still waiting for its frame this '
+          'long ends with reason timeout (the robot\'s inputs are stale or missing)', low=0.0,
+          above=True, high=3600.0),
     Param('admission', 'drop_oldest', 'when all slots are busy',
           choices=('drop_oldest', 'reject_newest', 'wait')),
     Param('temperature', 0.0, 'narration sampling temperature; 0 = greedy', low=0.0,
@@ -134,6 +148,12 @@ PARAMS = (
     Param('optional_cameras', None, 'cameras whose slot is masked instead of holding the robot '
           'when they are missing or stale', 'str[]'),
     Param('image_qos', 'sensor_data', 'image subscription QoS', choices=QOS_CHOICES),
+    Param('max_image_pixels', MAX_PIXELS, 'largest camera image, width x height, raw or as '
+          "a compressed image's header says (checked before decoding); a bigger one is "
+          'dropped', low=1, high=100_000_000),
+    Param('max_image_bytes', MAX_BYTES, 'largest camera image in bytes: a raw image\'s data, '
+          'a compressed payload, and what its header says it decodes to; a bigger one is '
+          'dropped', low=1, high=1_000_000_000),
     Param('joint_topics', ['joint_states'], 'sensor_msgs/JointState topics (relative)'),
     Param('joint_sources', None, 'a name per joint topic, used in `joints` as source/joint; '
           'may be left out with one topic', 'str[]'),
@@ -144,17 +164,21 @@ PARAMS = (
     Param('prompt', 'pick up the object', 'task prompt; ~/prompt changes it too', live=True),
     Param('max_prompt_chars', 500, 'longest prompt accepted', low=1, live=True),
     # timing
-    Param('control_rate_hz', 70.0, 'trajectory publish rate', low=0.0, above=True),
+    Param('control_rate_hz', 70.0, 'trajectory publish rate; 1000 Hz is ros2_control\'s '
+          'fastest usual update rate', low=0.0, above=True, high=1000.0),
     Param('action_rate_hz', 0.0, 'rate the model was trained at: action i is for frame time + '
-          'i / action_rate_hz; 0 = control_rate_hz', low=0.0),
+          'i / action_rate_hz; 0 = control_rate_hz; pi0.5\'s robots recorded at 15 to 50 Hz',
+          low=0.0, high=1000.0),
     Param('max_input_age', 0.5, 's; older inputs (cameras, and each joint) are stale and the '
-          'robot holds', low=0.0, above=True),
-    Param('max_skew', 0.1, 's; the most the inputs of one frame may be apart', low=0.0),
+          'robot holds; an arm moves far in 10 s', low=0.0, above=True, high=10.0),
+    Param('max_skew', 0.1, 's; the most the inputs of one frame may be apart; 10 s as '
+          'max_input_age', low=0.0, high=10.0),
     Param('narration_every_n_frames', 10, 'start a narration request every n frames; 0 = only '
           'on demand (~/narrate)', low=0, live=True),
-    Param('report_period', 5.0, 's; the same problem is logged at most once per period',
-          low=0.0, above=True, live=True),
-    Param('diagnostics_rate_hz', 1.0, '/diagnostics publish rate', low=0.0, above=True),
+    Param('report_period', 5.0, 's; the same problem is logged at most once per period; '
+          '3600 is once an hour', low=0.0, above=True, high=3600.0, live=True),
+    Param('diagnostics_rate_hz', 1.0, '/diagnostics publish rate; monitors read it at a few Hz',
+          low=0.0, above=True, high=100.0),
     # a fleet
     Param('robots', None, 'robot names: one node serves them all from one engine, each with '
           'its own <robot>.* parameters (see FLEET_PARAMS); [] = the node\'s one robot, '
@@ -188,6 +212,7 @@ FLEET_BY_NAME = {p.name: p for p in FLEET_PARAMS}
 ROBOT_KEYS = ('max_command_horizon', 'play_steps', 'max_future_stamp', 'limit_hold_margin',
               'publish_predicted', 'robot', 'profile_options', 'cameras', 'camera_topics',
               'camera_slots', 'camera_transports', 'optional_cameras', 'image_qos',
+              'max_image_pixels', 'max_image_bytes',
               'joint_topics', 'joint_sources', 'joints', 'joint_qos', 'output_groups', 'prompt',
               'max_prompt_chars', 'control_rate_hz', 'action_rate_hz', 'max_input_age', 'max_skew',
               'narration_every_n_frames')
@@ -216,18 +241,21 @@ def coerce(name: str, value, p: Param):
             isinstance(x, int) and not isinstance(x, bool) for x in value),
     }[kind]
     if not ok:
-        raise StartError(f'parameter {name} must be {kind}, got {value!r}')
+        raise StartError(f'parameter {name} must be {kind}, got {shown(value)}')
     if kind == 'float':
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int past float's range
+            value = math.inf
         if not math.isfinite(value):
-            raise StartError(f'parameter {name} must be finite, got {value}')
+            raise StartError(f'parameter {name} must be finite, got {shown(value)}')
     items = list(value) if kind.endswith('[]') else [value]
     for x in items:
         bad = ((p.low is not None and (x < p.low or (p.above and x == p.low)))
                or (p.high is not None and x > p.high)
                or (p.choices and x not in p.choices))
         if bad:
-            raise StartError(f'parameter {name} must be {p.range_text()}, got {x!r}')
+            raise StartError(f'parameter {name} must be {p.range_text()}, got {shown(x)}')
     return list(value) if kind.endswith('[]') else value
 
 
@@ -256,12 +284,11 @@ def read_robot_file(robot: str, path: str) -> tuple[dict, list[str]]:
     config/sim.yaml) are for other nodes and are left alone."""
     where = f'robot {robot}: robot_file {path}'
     try:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
+        doc = safe_yaml.read(path)
     except OSError as e:
         raise StartError(f'{where}: {e.strerror or e}') from None
-    except yaml.YAMLError as e:
-        raise StartError(f'{where} is not YAML: {e}') from None
+    except ValueError as e:
+        raise StartError(f'{where}: {e}') from None
     if not isinstance(doc, dict) or not doc:
         raise StartError(f'{where}: expected a params file (<node>: ros__parameters: ...)')
     block = next(iter(doc.values()))
@@ -277,7 +304,7 @@ def read_robot_file(robot: str, path: str) -> tuple[dict, list[str]]:
 def robot_config(robot: str, node_values: dict, file_values: dict, own: dict) -> Config:
     """One robot of a fleet: its own values over its robot file's over the node's."""
     if not re.fullmatch(r'[A-Za-z][A-Za-z0-9_]*', robot):
-        raise StartError(f'robot name {robot!r} must be a plain identifier')
+        raise StartError(f'robot name {shown(robot)} must be a plain identifier')
     given = {**file_values, **own}
     values = dict(node_values)
     # Output groups and joint limits come whole from one place, the robot's or the node's.
@@ -328,8 +355,8 @@ def command_line_params(args, node_name: str) -> dict[str, object]:
             if colon and node not in (node_name, '*', '**') and node.lstrip('/') != node_name:
                 continue
             try:
-                out[pname] = yaml.safe_load(text)
-            except yaml.YAMLError:
+                out[pname] = safe_yaml.load(text)
+            except ValueError:
                 out[pname] = text
     return out
 
@@ -362,6 +389,11 @@ class Config:
     # max_new_tokens the engine's KV cache was sized for at configure (None before): a live
     # value may go back up to it, not past it.
     sized_tokens: int | None = None
+    # From configure on: the most tokens a prompt takes in the model's prefix with this
+    # robot's state (the engine's tokenizer and prompt format), and the prefix's room for
+    # them (the model's max_token_len). The tokenizer cuts what does not fit: the state.
+    prompt_tokens: Callable[[str], int] | None = None
+    max_token_len: int = 0
 
     @classmethod
     def from_values(cls, values: dict) -> Config:
@@ -371,7 +403,7 @@ class Config:
         groups = []
         for g in p['output_groups']:
             if not re.fullmatch(r'[A-Za-z][A-Za-z0-9_]*', g):
-                raise StartError(f'output group name {g!r} must be a plain identifier')
+                raise StartError(f'output group name {shown(g)} must be a plain identifier')
             q = {k.name: coerce(f'outputs.{g}.{k.name}', values.get(f'outputs.{g}.{k.name}'), k)
                  for k in GROUP_PARAMS}
             groups.append(Group(g, q['topic'], q['joints'], q['indices']))
@@ -436,10 +468,26 @@ class Config:
         if name == 'max_command_horizon':
             _check_horizon(value, self.action_period)
         if name == 'prompt':
-            why = prompt_problem(value, self.p['max_prompt_chars'])
+            why = self.check_prompt(value)
             if why:
                 raise StartError(f'prompt: {why}')
         return value
+
+    def check_prompt(self, text: str) -> str | None:
+        """Why `text` cannot be this robot's task prompt, or None: empty, too many characters,
+        or (once configured) too many tokens for the model's prefix."""
+        why = prompt_problem(text, self.p['max_prompt_chars'])
+        if why or self.prompt_tokens is None:
+            return why
+        n = self.prompt_tokens(text)
+        if n <= self.max_token_len:
+            return None
+        if self.p['prompt_format'] == 'pi05':
+            return (f'prompt of {n} tokens with the {self.profile.state_dim}-d state (each '
+                    f'value at its longest) is over the model\'s max_token_len of '
+                    f'{self.max_token_len}: the state would be cut off')
+        return (f'prompt of {n} tokens is over the model\'s max_token_len of '
+                f'{self.max_token_len}: it would be cut off')
 
     def assembler(self) -> Assembler:
         cams, optional = self.p['cameras'], self.p['optional_cameras']
@@ -448,6 +496,7 @@ class Config:
             + [f'joints:{s}' for s in self.joint_topics],
             optional=optional,
             max_input_age=self.p['max_input_age'], max_skew=self.p['max_skew'],
+            max_ahead=self.p['max_future_stamp'],
             # One frame per image of the main camera: joint states come faster and would
             # otherwise rerun the model on the same images.
             trigger=[next(c for c in cams if c not in optional)])
@@ -461,11 +510,11 @@ def _check_horizon(horizon: float, period: float) -> None:
 
 def _contract(p: dict, groups: list[Group]) -> Config:
     try:
-        options = yaml.safe_load(p['profile_options']) if p['profile_options'] else {}
-    except yaml.YAMLError as e:
-        raise StartError(f'profile_options is not YAML: {e}') from None
+        options = safe_yaml.load(p['profile_options']) if p['profile_options'] else {}
+    except ValueError as e:
+        raise StartError(f'profile_options: {e}') from None
     if not isinstance(options, dict):
-        raise StartError(f'profile_options must be a YAML mapping, got {options!r}')
+        raise StartError(f'profile_options must be a YAML mapping, got {shown(options)}')
     if p['robot'] == 'identity':
         options.setdefault('dim', len(p['joints']))
     try:
@@ -520,7 +569,7 @@ def _contract(p: dict, groups: list[Group]) -> Config:
     if not groups:
         raise StartError('output_groups is empty: name at least one trajectory output')
     hold_sources = {}
-    for g in groups:
+    for k, g in enumerate(groups):
         if not g.topic:
             raise StartError(f'outputs.{g.name}.topic is empty')
         if not g.joints or len(g.joints) != len(g.indices):
@@ -530,6 +579,20 @@ def _contract(p: dict, groups: list[Group]) -> Config:
         if bad:
             raise StartError(f'outputs.{g.name}.indices {bad} outside the '
                              f'{profile.action_dim}-d action of {p["robot"]}')
+        for key, items in (('indices', g.indices), ('joints', g.joints)):
+            twice = ', '.join(str(x) for x in sorted({x for x in items if items.count(x) > 1}))
+            if twice:
+                raise StartError(f'outputs.{g.name}.{key} lists {twice} twice')
+        for h in groups[:k]:
+            # A copied indices list would have two controllers follow one action.
+            both = [i for i in g.indices if i in h.indices]
+            if both:
+                raise StartError(f'action index {both[0]} is in outputs.{h.name}.indices and '
+                                 f'outputs.{g.name}.indices: each action drives one joint')
+            if h.topic.rstrip('/') == g.topic.rstrip('/'):
+                raise StartError(f'outputs.{h.name}.topic {h.topic!r} and outputs.{g.name}.topic '
+                                 f'{g.topic!r} are one topic: a controller follows one '
+                                 'trajectory at a time')
         for i, joint in zip(g.indices, g.joints, strict=True):
             # Action i drives state joint i in the built-in profiles, so the controller's
             # joint is read from the same source (e.g. ALOHA's `gripper` from follower_left).

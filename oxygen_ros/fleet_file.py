@@ -17,7 +17,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import yaml
+from oxygen_ros import safe_yaml
+from oxygen_ros.safe_yaml import shown
 
 NAME = re.compile(r'[A-Za-z][A-Za-z0-9_]*')
 
@@ -32,14 +33,15 @@ def servers(doc: dict, source: str = 'fleet file') -> dict[str, list[str]]:
     owner: dict[str, str] = {}
     for server, robots in doc['servers'].items():
         if not isinstance(server, str) or not NAME.fullmatch(server):
-            raise ValueError(f'{source}: server {server!r} is not a plain name')
+            raise ValueError(f'{source}: server {shown(server)} is not a plain name')
         if isinstance(robots, str):
             robots = [robots]
         if not isinstance(robots, list) or not robots:
             raise ValueError(f'{source}: server {server} lists no robots')
         for r in robots:
             if not isinstance(r, str) or not NAME.fullmatch(r):
-                raise ValueError(f'{source}: server {server}: robot {r!r} is not a plain name')
+                raise ValueError(f'{source}: server {server}: robot {shown(r)} is not a plain '
+                                 'name')
             if r in owner:
                 raise ValueError(f'{source}: robot {r} is on {owner[r]} and {server}; '
                                  'a robot is commanded by one server')
@@ -51,8 +53,8 @@ def servers(doc: dict, source: str = 'fleet file') -> dict[str, list[str]]:
 def load(path: str | Path) -> dict[str, list[str]]:
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
+        doc = safe_yaml.read(path)
+    except (OSError, ValueError) as e:
         raise ValueError(f'fleet file {path}: {e}') from None
     return servers(doc, f'fleet file {path}')
 

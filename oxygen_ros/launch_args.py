@@ -11,6 +11,8 @@ from launch.substitutions import LaunchConfiguration
 COMMON = [
     ('params_file', '', 'robot parameters file instead of config/<robot>.yaml'),
     ('checkpoint', '', "checkpoint directory; '' keeps the files' value"),
+    ('tokenizer', '', "the checkpoint's SentencePiece tokenizer (pi0.5: "
+     "paligemma_tokenizer.model); '' keeps the files' value"),
     ('device', '', "cpu or cuda; '' keeps the files' value"),
     ('autostart', '', "true: configure and activate at once; false: wait for lifecycle "
      "transitions; '' keeps the files' value"),
@@ -34,7 +36,7 @@ def values(context, *own) -> dict:
 def overrides(arg: dict) -> dict:
     """Parameters that override the files: sim time, and only what the command line gave."""
     out = {'use_sim_time': arg['use_sim_time'].lower() == 'true'}
-    for name in ('checkpoint', 'device'):
+    for name in ('checkpoint', 'tokenizer', 'device'):
         if arg[name]:
             out[name] = arg[name]
     if arg['autostart']:

@@ -332,22 +332,39 @@ def describe(limits: JointLimits | None, names: list[str]) -> str:
     return text + (f'; none on {", ".join(free)}' if free else '')
 
 
-def velocity_at(t, start, moving, times, positions, velocities):
-    """[dim] the velocity at t (s from its start) of the motion joint_trajectory_controller
-    makes of a command: a cubic Hermite from (start, moving) at 0 to the first point, then
-    from point to point; at rest after the last. moving None: 0; NaN where unknown."""
+def _segment(t, start, moving, times, positions, velocities):
+    """The cubic Hermite segment joint_trajectory_controller is on at t (s from the start of
+    a command): (u in [0, 1), its length h, and the end points' positions and velocities)."""
     start = np.asarray(start, dtype=np.float64)
     w = np.zeros_like(start) if moving is None else np.asarray(moving, dtype=np.float64)
-    if t >= times[-1]:
-        return np.zeros_like(start)
     t = max(t, 0.0)
     k = int(np.searchsorted(times, t, side='right'))
     ta, pa, va = (0.0, start, w) if k == 0 else (times[k - 1], positions[k - 1],
                                                  velocities[k - 1])
     h = times[k] - ta
-    u = (t - ta) / h
-    s = (positions[k] - pa) / h
-    return s + (va - s) * (1 - 4 * u + 3 * u * u) + (velocities[k] - s) * (3 * u * u - 2 * u)
+    return (t - ta) / h, h, pa, va, positions[k], velocities[k]
+
+
+def velocity_at(t, start, moving, times, positions, velocities):
+    """[dim] the velocity at t (s from its start) of the motion joint_trajectory_controller
+    makes of a command: a cubic Hermite from (start, moving) at 0 to the first point, then
+    from point to point; at rest after the last. moving None: 0; NaN where unknown."""
+    if t >= times[-1]:
+        return np.zeros(len(np.atleast_1d(start)))
+    u, h, pa, va, pb, vb = _segment(t, start, moving, times, positions, velocities)
+    s = (pb - pa) / h
+    return s + (va - s) * (1 - 4 * u + 3 * u * u) + (vb - s) * (3 * u * u - 2 * u)
+
+
+def position_at(t, start, moving, times, positions, velocities):
+    """[dim] where the same motion has the controller's setpoint at t: on the cubic Hermite
+    of velocity_at, at the last point after it (the controller holds it)."""
+    if t >= times[-1]:
+        return np.array(positions[-1], dtype=np.float64)
+    u, h, pa, va, pb, vb = _segment(t, start, moving, times, positions, velocities)
+    u2, u3 = u * u, u * u * u
+    return ((2 * u3 - 3 * u2 + 1) * pa + (u3 - 2 * u2 + u) * h * va
+            + (-2 * u3 + 3 * u2) * pb + (u3 - u2) * h * vb)
 
 
 def _reach(speed, accel, step):

@@ -14,6 +14,29 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 
+def _flag(name: str, value) -> bool:
+    # A profile option usually comes from YAML text, where "false" in quotes is a string
+    # and would be true.
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"option {name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _number(name: str, value, low: float, high: float, above: bool = False) -> float:
+    """`value` as a float in [low, high] ((low, high] with `above`), or ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise ValueError(f"option {name} must be a number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(x) or x < low or (above and x == low) or x > high:
+        raise ValueError(f"option {name} must be finite and in {'(' if above else '['}"
+                         f"{low:g}, {high:g}], got {value!r}")
+    return x
+
+
+# Gripper readings in REP 103 units (rad or m): a gripper's joint stays well within a turn.
+GRIPPER_READING = 10.0
+
+
 class Profile:
     name = "profile"
     state_dim: int
@@ -73,8 +96,12 @@ class Identity(Profile):
     name = "identity"
 
     def __init__(self, dim: int):
-        self.state_dim = dim
-        self.action_dim = dim
+        # pi0.5 checkpoints are 32 wide; a wider identity robot fits no model.
+        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) \
+                or not 1 <= dim <= 1024:
+            raise ValueError(f"option dim must be an integer in [1, 1024], got {dim!r}")
+        self.state_dim = int(dim)
+        self.action_dim = int(dim)
 
     def encode_state(self, state: np.ndarray) -> np.ndarray:
         return self._state(state)
@@ -149,9 +176,9 @@ class Aloha(Profile):
     def __init__(
         self, adapt_to_pi: bool = True, delta: bool = True, normalized_gripper: bool = False
     ):
-        self.adapt_to_pi = adapt_to_pi
-        self.delta = delta
-        self.normalized_gripper = normalized_gripper
+        self.adapt_to_pi = _flag("adapt_to_pi", adapt_to_pi)
+        self.delta = _flag("delta", delta)
+        self.normalized_gripper = _flag("normalized_gripper", normalized_gripper)
 
     @staticmethod
     def joints(
@@ -236,18 +263,22 @@ class Droid(Profile):
         open_loop: bool = False,
         delta: bool = False,
     ):
-        if gripper_open == gripper_closed:
+        self.velocity = _flag("velocity", velocity)
+        # Radians per 1/15 s step at velocity 1: DROID's 0.2 is 3 rad/s, about a Franka's
+        # top joint speed; 1 would be 15 rad/s.
+        self.velocity_scale = _number("velocity_scale", velocity_scale, 0.0, 1.0, above=True)
+        self.gripper_open = _number("gripper_open", gripper_open, -GRIPPER_READING,
+                                    GRIPPER_READING)
+        self.gripper_closed = _number("gripper_closed", gripper_closed, -GRIPPER_READING,
+                                      GRIPPER_READING)
+        self.binarize_gripper = _flag("binarize_gripper", binarize_gripper)
+        self.clip_velocities = _flag("clip_velocities", clip_velocities)
+        self.open_loop = _flag("open_loop", open_loop)
+        self.delta = _flag("delta", delta)
+        if self.gripper_open == self.gripper_closed:
             raise ValueError("gripper_open and gripper_closed must differ")
-        if velocity and delta:
+        if self.velocity and self.delta:
             raise ValueError("delta is for joint-position checkpoints: set velocity: false")
-        self.velocity = velocity
-        self.velocity_scale = velocity_scale
-        self.gripper_open = gripper_open
-        self.gripper_closed = gripper_closed
-        self.binarize_gripper = binarize_gripper
-        self.clip_velocities = clip_velocities
-        self.open_loop = open_loop
-        self.delta = delta
 
     @staticmethod
     def joints(

@@ -1,6 +1,9 @@
 """The node's ROS-free parts: the parameter table and robot contract (contract.py)."""
+import functools
 import math
+import re
 
+import numpy as np
 import pytest
 
 from oxygen_ros.contract import (
@@ -44,8 +47,39 @@ def test_problem_key_ignores_numbers():
 
     a = problem_key('frame', 'cam stale (612 ms old, limit 500 ms)')
     b = problem_key('frame', 'cam stale (1204 ms old, limit 500 ms)')
-    assert a == b == 'frame:cam stale (# ms old, limit # ms)'
+    assert a == b == 'frame:cam stale'
     assert problem_key('frame', 'wrist stale (1 ms old)') != a
+    assert problem_key('frame', 'the 1234-byte JPEG is corrupt') == (
+        'frame:the #byte JPEG is corrupt')
+
+
+def test_problem_key_leaves_out_what_a_sender_controls():
+    # Encodings, format strings and payload bytes are quoted or bracketed in the messages:
+    # whatever a sender puts there, the key is the same.
+    pytest.importorskip('rclpy')
+    from oxygen_ros.frames import image_problem
+    from oxygen_ros.images import check_payload, parse_format
+    from oxygen_ros.node import problem_key
+
+    class Msg:
+        height, width, step, data = 2, 2, 6, bytes(12)
+
+    keys = set()
+    for text in ('foo', "it's", 'a"b', 'x' * 500, '\n(', 'bayer_xyz', ''):
+        m = Msg()
+        m.encoding = text
+        keys.add(problem_key('image:cam', image_problem(m)))
+        for fmt in (text, f'{text}; jpeg compressed bgr8', f'rgb8; jpeg compressed {text}'):
+            with pytest.raises(ValueError) as e:
+                parse_format(fmt)
+            keys.add(problem_key('image:cam', str(e.value)))
+        with pytest.raises(ValueError) as e:
+            check_payload(parse_format('rgb8; png compressed bgr8'), text.encode() + b'!')
+        keys.add(problem_key('image:cam', str(e.value)))
+    # One key per kind of problem: unknown encoding, unknown format, unknown encoding in a
+    # format, a target image_transport never writes, not a PNG.
+    assert len(keys) <= 6, keys
+    assert all(len(k) <= 100 for k in keys)
 
 
 def test_parameter_types_are_checked_by_name():
@@ -65,6 +99,9 @@ def test_parameter_types_are_checked_by_name():
 @pytest.mark.parametrize('name, value, message', [
     ('control_rate_hz', 0.0, 'must be > 0'),
     ('control_rate_hz', math.inf, 'must be finite'),
+    ('control_rate_hz', 1e300, r'must be > 0 and <= 1000, got 1e\+300'),
+    ('action_rate_hz', math.nan, 'must be finite, got nan'),
+    ('max_input_age', 60.0, 'must be > 0 and <= 10, got 60.0'),
     ('max_skew', -0.1, 'must be >= 0'),
     ('decode_k', -1, 'must be >= 0'),
     ('admission', 'first', 'must be one of drop_oldest, reject_newest, wait'),
@@ -73,6 +110,25 @@ def test_parameter_types_are_checked_by_name():
 def test_ranges_and_choices(name, value, message):
     with pytest.raises(StartError, match=f'parameter {name} {message}'):
         coerce(name, value, BY_NAME[name])
+
+
+# Floats that are no rate, time or size: sampling and guidance weights.
+UNBOUNDED = {'temperature', 'rtc_beta'}
+
+
+def test_every_rate_time_and_size_is_finite_and_bounded():
+    floats = {p.name: p for p in PARAMS if p.type == 'float'}
+    assert set(floats) - UNBOUNDED == {p for p in floats if floats[p].high is not None}
+    for name, p in floats.items():
+        for bad in (math.nan, math.inf, -math.inf):
+            with pytest.raises(StartError, match=f'parameter {name} must be finite'):
+                coerce(name, bad, p)
+        if p.high is None:
+            continue
+        assert math.isfinite(p.high) and p.high > max(p.low, p.default), name
+        assert coerce(name, p.high, p) == p.high
+        with pytest.raises(StartError, match=f'parameter {name} must be .*<= {p.high:g}'):
+            coerce(name, p.high * (1 + 1e-9), p)
 
 
 def test_every_parameter_has_a_description_and_a_valid_default():
@@ -148,10 +204,42 @@ def test_aloha_holds_read_the_controller_joint_from_the_arm_of_the_action():
     ({'max_command_horizon': 0.05}, 'shorter than one action period'),
     ({'prompt': '  '}, 'parameter prompt: empty prompt'),
     ({'profile_options': '[1, 2]'}, 'profile_options must be a YAML mapping'),
+    # A copied output group: one action drives two controllers' joints.
+    ({'outputs.gripper.indices': [6]},
+     'action index 6 is in outputs.arm.indices and outputs.gripper.indices'),
+    ({'outputs.arm.indices': [0, 1, 2, 3, 4, 5, 5]}, 'outputs.arm.indices lists 5 twice'),
+    ({'outputs.arm.joints': ARM[:6] + ['fr3_joint1']},
+     'outputs.arm.joints lists fr3_joint1 twice'),
+    ({'outputs.gripper.topic': 'arm/joint_trajectory/'},
+     "outputs.arm.topic 'arm/joint_trajectory' and outputs.gripper.topic "
+     "'arm/joint_trajectory/' are one topic"),
+    # Profile options are checked as the parameters are (YAML: 1e300 is a string).
+    ({'profile_options': '{velocity_scale: .nan}'}, 'option velocity_scale must be finite'),
+    ({'profile_options': '{velocity_scale: 1.0e+300}'},
+     r'option velocity_scale must be finite and in \(0, 1\], got 1e\+300'),
+    ({'profile_options': '{velocity_scale: 1e300}'},
+     "option velocity_scale must be a number, got '1e300'"),
+    ({'profile_options': '{gripper_closed: -.inf}'}, 'option gripper_closed must be finite'),
+    ({'profile_options': '{velocity: "false"}'},
+     "option velocity must be true or false, got 'false'"),
 ])
 def test_contract_mistakes_are_one_line(change, message):
     with pytest.raises(StartError, match=message):
         Config.from_values({**DROID, **change})
+
+
+def test_copied_output_groups_are_refused_but_a_joint_name_may_repeat():
+    arm = {'output_groups': ['left_arm', 'right_arm'],
+           'outputs.left_arm.topic': 'l/a', 'outputs.left_arm.joints': LEFT,
+           'outputs.left_arm.indices': list(range(6)),
+           'outputs.right_arm.topic': 'r/a', 'outputs.right_arm.joints': LEFT,
+           'outputs.right_arm.indices': list(range(6))}
+    with pytest.raises(StartError, match='action index 0 is in outputs.left_arm.indices and '
+                       'outputs.right_arm.indices: each action drives one joint'):
+        Config.from_values({**ALOHA, **arm})
+    # Each arm's controller names its joints alike (ALOHA's `gripper`, `waist`, ...).
+    c = Config.from_values({**ALOHA, **arm, 'outputs.right_arm.indices': list(range(7, 13))})
+    assert [g.joints for g in c.groups] == [LEFT, LEFT]
 
 
 def test_live_parameters():
@@ -177,3 +265,46 @@ def test_live_parameters():
     ]:
         with pytest.raises(StartError, match=message):
             c.check_live(name, value)
+
+
+def test_a_prompt_whose_tokens_would_cut_off_the_state_is_refused():
+    """Once configured, a robot's prompt must leave room for its state: the tokenizer cuts
+    the prefix text at the model's max_token_len, and the state comes last."""
+    from oxygen_ros.model.tokenizer import Tokenizer, action_prompt, prompt_tokens, subtask_prompt
+
+    tok = Tokenizer.default()
+    c = Config.from_values(DROID)
+    assert c.check_prompt('pick up the cup' + ' a' * 40) is None  # before: characters only
+    c.prompt_tokens = functools.partial(prompt_tokens, tok, state_dim=8, prompt_format='pi05')
+
+    def count(task):  # every state value at its longest, bin 255 (test_tokenizer)
+        return len(tok.encode(action_prompt(task, np.ones(8))))
+
+    tasks = {count(t): t for t in ('pick up the cup' + ' a' * k for k in range(8))}
+    limit = min(tasks) + 3
+    assert {limit - 1, limit, limit + 1} <= set(tasks)
+    c.max_token_len = limit
+    assert c.check_prompt(tasks[limit - 1]) is None and c.check_prompt(tasks[limit]) is None
+    said = (f"prompt of {limit + 1} tokens with the 8-d state (each value at its longest) is "
+            f"over the model's max_token_len of {limit}: the state would be cut off")
+    assert c.check_prompt(tasks[limit + 1]) == said
+    with pytest.raises(StartError, match=re.escape(f'prompt: {said}')):
+        c.check_live('prompt', tasks[limit + 1])
+    assert c.check_live('prompt', tasks[limit]) == tasks[limit]
+
+    def kept(task):  # what of the prefix text the model gets
+        ids, mask = tok.tokenize(action_prompt(task, np.ones(8)), limit)
+        return tok.decode(ids[mask])
+
+    assert kept(tasks[limit]) == action_prompt(tasks[limit], np.ones(8))
+    assert not kept(tasks[limit + 1]).endswith(';\nAction: ')  # what was refused
+    # The subtask format has no state: only its own tokens count.
+    c.p['prompt_format'] = 'subtask'
+    c.prompt_tokens = functools.partial(prompt_tokens, tok, state_dim=8,
+                                        prompt_format='subtask')
+    n = len(tok.encode(subtask_prompt(tasks[limit + 1])))
+    c.max_token_len = n
+    assert c.check_prompt(tasks[limit + 1]) is None
+    c.max_token_len = n - 1
+    assert c.check_prompt(tasks[limit + 1]) == (f"prompt of {n} tokens is over the model's "
+                                                f"max_token_len of {n - 1}: it would be cut off")

@@ -301,12 +301,13 @@ def test_player_starts_from_the_controllers_velocity():
     assert p.moving(0.05)[0] == pytest.approx(12.5)
     assert p.moving(0.4)[0] == 0.0  # past the last point: at rest
     # A hold from there, with no acceleration limit to brake within, is the single point
-    # where the robot is measured, at rest, as for a joint at rest.
+    # where the controller's setpoint is, at rest: on that cubic, 0 + 0 t + 200 t^2 - 1000 t^3
+    # at 0.05 s is 0.375, where the arm read at 0 (0) has moved on to.
     p.stop('deactivated')
-    cmd = p.tick(0.05, hold_at=lambda: np.array([0.5]))
+    cmd = p.tick(0.05, hold_at=lambda: (np.array([0.0]), np.array([0.0])))
     assert cmd.hold == 'deactivated'
     np.testing.assert_allclose(cmd.times, [0.01])
-    np.testing.assert_array_equal(cmd.positions[:, 0], [0.5])
+    np.testing.assert_allclose(cmd.positions[:, 0], [0.375])
     np.testing.assert_array_equal(cmd.velocities, [[0.0]])
 
 

@@ -152,6 +152,36 @@ def test_make_profile():
         make_profile("ur5")
 
 
+@pytest.mark.parametrize("name, options, message", [
+    ("droid", {"velocity_scale": math.nan}, r"velocity_scale must be finite and in \(0, 1\]"),
+    ("droid", {"velocity_scale": 1e300}, r"velocity_scale .* got 1e\+300"),
+    ("droid", {"velocity_scale": 0.0}, "velocity_scale must be finite"),
+    ("droid", {"velocity_scale": -0.2}, "velocity_scale must be finite"),
+    ("droid", {"velocity_scale": "0.2"}, "velocity_scale must be a number, got '0.2'"),
+    ("droid", {"velocity_scale": True}, "velocity_scale must be a number, got True"),
+    ("droid", {"gripper_open": math.inf}, r"gripper_open must be finite and in \[-10, 10\]"),
+    ("droid", {"gripper_closed": -11.0}, "gripper_closed must be finite"),
+    ("droid", {"binarize_gripper": "false"}, "binarize_gripper must be true or false"),
+    ("droid", {"velocity": 0}, "velocity must be true or false, got 0"),
+    ("aloha", {"delta": "no"}, "delta must be true or false, got 'no'"),
+    ("aloha", {"adapt_to_pi": None}, "adapt_to_pi must be true or false, got None"),
+    ("identity", {"dim": 0}, r"dim must be an integer in \[1, 1024\], got 0"),
+    ("identity", {"dim": 7.0}, "dim must be an integer"),
+    ("identity", {"dim": True}, "dim must be an integer"),
+])
+def test_profile_options_must_be_finite_and_within_bounds(name, options, message):
+    with pytest.raises(ValueError, match=f"option {message}"):
+        make_profile(name, **options)
+
+
+def test_profile_options_at_their_bounds():
+    assert Droid(velocity_scale=1.0).velocity_scale == 1.0
+    assert Droid(velocity_scale=np.float32(0.25)).velocity_scale == 0.25
+    p = Droid(gripper_open=-10, gripper_closed=10, binarize_gripper=np.bool_(True))
+    assert (p.gripper_open, p.gripper_closed, p.binarize_gripper) == (-10.0, 10.0, True)
+    assert Identity(1024).state_dim == 1024 and Identity(np.int64(3)).action_dim == 3
+
+
 def _arm(offset):
     names = ["waist", "shoulder", "elbow", "forearm_roll", "wrist_angle", "wrist_rotate"]
     r = {n: offset + i for i, n in enumerate(names)}
