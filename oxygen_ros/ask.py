@@ -2,10 +2,13 @@
 
 A goal becomes an engine question (Engine.ask), born from the next frame's prefill. The
 engine's events for it become feedback while it streams and, at its end, one result with
-the reason it ended. Goals while the node is not active, and goals the engine refuses, end
-at once with reason 'rejected' and why. The action server only converts between these and
-ROS messages: goal in, ``Answer.next()`` until the result, ``Answer.cancel()`` on a cancel
-request; the node's engine thread hands every frame's question events to ``Asks.deliver``.
+the reason it ended. Goals while the node is not active, goals past ``max_open`` open
+ones, and goals the engine refuses, end at once with reason 'rejected' and why; a question
+still waiting for its frame ``timeout`` seconds after it came ends with reason 'timeout'
+(``Asks.expire``, which the node calls from its watchdog). The action server only converts
+between these and ROS messages: goal in, ``Answer.next()`` until the result,
+``Answer.cancel()`` on a cancel request; the node's engine thread hands every frame's
+question events to ``Asks.deliver``.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 # Feedback states: accepted and waiting for the next frame; waiting for a KV row (admission
 # wait); tokens streaming.
 STATES = WAITING, QUEUED, DECODING = ('waiting', 'queued', 'decoding')
 SUCCEEDED = ('done', 'budget')
+TIMEOUT = 'timeout'  # a question whose frame did not come within Asks.timeout
 
 
 @dataclass
@@ -55,8 +60,9 @@ class Result:
 class Answer:
     """One goal's answer as it comes: feedback, then exactly one Result."""
 
-    def __init__(self, asks: Asks | None, request_id: int):
+    def __init__(self, asks: Asks | None, request_id: int, opened: float = 0.0):
         self.request_id = request_id
+        self.opened = opened  # time.monotonic() when the goal came
         self.last = Feedback(request_id, 0.0, WAITING)  # what the caller was last told
         self.result: Result | None = None
         self._asks = asks
@@ -91,7 +97,7 @@ class Answer:
 class Asks:
     """The open answers of one node, routed by request id. Safe to call from any thread."""
 
-    def __init__(self, remember: int = 1024):
+    def __init__(self, remember: int = 1024, max_open: int = 16, timeout: float = 5.0):
         # Called after anything is added to an answer (from any thread): lets an action
         # server waiting for it know. Set by the server.
         self.wake = _nothing
@@ -102,6 +108,8 @@ class Asks:
         # Answers already ended; events of theirs still on their way are expected, not lost.
         self._closed: dict[int, None] = {}
         self._remember = remember
+        self.max_open = max_open  # goals open at once; one more is refused
+        self.timeout = timeout  # s a question may wait for its frame
         self._ended = collections.Counter()  # results given, by reason
 
     def activate(self, engine) -> None:
@@ -135,7 +143,7 @@ class Asks:
             return dict(questions_open=len(self._open),
                         questions_answered=n['done'] + n['budget'],
                         questions_rejected=n['rejected'], questions_cancelled=n['cancelled'],
-                        questions_dropped=n['dropped'])
+                        questions_dropped=n['dropped'], questions_timed_out=n[TIMEOUT])
 
     def open(self, goal: Goal) -> Answer:
         """Start answering ``goal``; a goal that cannot be asked gets its result at once."""
@@ -145,17 +153,43 @@ class Asks:
             if self._engine is None:
                 self._ended['rejected'] += 1
                 return _refused(f'the node is not active: {self._why}')
+            if len(self._open) >= self.max_open:
+                self._ended['rejected'] += 1
+                return _refused(f'{len(self._open)} questions are open, as many as '
+                                'max_open_questions allows: ask again when one has ended')
             try:
                 rid = self._engine.ask(goal.question, int(goal.max_new_tokens),
                                        goal.prompt_format)
             except ValueError as e:
                 self._ended['rejected'] += 1
                 return _refused(str(e))
-            answer = Answer(self, rid)
+            answer = Answer(self, rid, time.monotonic())
             self._open[rid] = answer
             answer._put(answer.last)
         self.wake()
         return answer
+
+    def expire(self, now: float, why: str = '') -> int:
+        """End the questions still waiting for their frame (no event of theirs came yet)
+        that came more than ``timeout`` s before ``now`` (time.monotonic()): reason
+        'timeout', with ``why`` no frame came when given. Returns how many ended."""
+        ended = 0
+        with self._lock:
+            engine = self._engine
+            late = [a for a in self._open.values()
+                    if a.last.state == WAITING and now - a.opened > self.timeout]
+            for a in late:
+                # One a frame took meanwhile is no longer waiting: its events come.
+                if engine is None or not engine.withdraw(a.request_id):
+                    continue
+                self._close(a.request_id)
+                self._ended[TIMEOUT] += 1
+                a._end(TIMEOUT, f'no frame came within {self.timeout:g} s (question_timeout)'
+                       + (f': {why}' if why else ''), 0.0)
+                ended += 1
+        if ended:
+            self.wake()
+        return ended
 
     def cancel(self, request_id: int) -> None:
         with self._lock:

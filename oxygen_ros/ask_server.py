@@ -41,6 +41,9 @@ class AskServer:
     # reply needs a moment on the wire before the node is destroyed: close() spins this long
     # after the last goal ended.
     SEND_S = 0.1
+    # rclpy keeps an ended goal's result for a late get_result request this long (its
+    # default, 15 min, holds every goal of a flood): a caller asks for it at once.
+    RESULT_KEPT_S = 60
 
     def __init__(self, node, asks, name: str = '~/ask'):
         self.asks = asks
@@ -51,7 +54,8 @@ class AskServer:
         asks.wake = self._wake.trigger
         self.server = ActionServer(node, Ask, name, execute_callback=self._execute,
                                    goal_callback=lambda _goal: GoalResponse.ACCEPT,
-                                   cancel_callback=lambda _handle: CancelResponse.ACCEPT)
+                                   cancel_callback=lambda _handle: CancelResponse.ACCEPT,
+                                   result_timeout=self.RESULT_KEPT_S)
 
     def close(self, spin_once, limit_s: float) -> int:
         """Send the result of every goal, then destroy the server. ``spin_once`` (the node's

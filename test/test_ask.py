@@ -118,7 +118,7 @@ def test_a_flood_gets_reasons(model, tokenizer):
         assert a.result.message == 'all 2 KV rows are busy (admission reject_newest)'
         assert a.result.request_id == a.request_id and a.result.stamp == 10.0
     assert asks.stats() == dict(questions_open=0, questions_answered=2, questions_rejected=3,
-                                questions_cancelled=0, questions_dropped=0)
+                                questions_cancelled=0, questions_dropped=0, questions_timed_out=0)
 
 
 def test_queued_under_admission_wait(model, tokenizer):
@@ -137,7 +137,8 @@ def test_refusals_say_why(model, tokenizer):
     engine, asks = make(model, tokenizer, max_question_tokens=6)
     for goal, why in ((Goal(''), 'empty'), (Goal('why?', max_new_tokens=9), 'max_new_tokens'),
                       (Goal('why?', prompt_format='Q:'), '{question}'),
-                      (Goal('pick up the red cup and put it in the bowl'), 'at most 6')):
+                      (Goal('pick up the red cup and put it in the bowl'),
+                           'over the 54 taken for max_question_tokens 6')):
         (result,) = drain(asks.open(goal))
         assert result.reason == 'rejected' and why in result.message
         assert result.request_id == 0
@@ -179,7 +180,8 @@ def test_deactivate_ends_every_answer_and_refuses_new_goals(model, tokenizer):
     assert engine.cache.free_rows == 2 and engine.stats()['questions_waiting'] == 0
     assert drain(asks.open(Goal('third?')))[0].message == 'the node is not active: deactivated'
     assert asks.stats() == dict(questions_open=0, questions_answered=0, questions_rejected=1,
-                                questions_cancelled=2, questions_dropped=0)
+                                questions_cancelled=2, questions_dropped=0,
+                                questions_timed_out=0)
     assert woken
 
 

@@ -345,6 +345,11 @@ def test_bad_questions_are_refused_at_once(model, tokenizer):
     with pytest.raises(ValueError, match='exactly once'):
         eng.ask('why?', prompt_format='Q: A:')
     with pytest.raises(ValueError, match='at most 8 fit'):
+        eng.ask('pick up the red cup and place it in the bowl')
+    # Longer than 8 tokens of the longest piece can be: refused on its characters.
+    longest = tokenizer.longest_piece
+    with pytest.raises(ValueError, match=rf'over the {8 * longest} taken for '
+                       r'max_question_tokens 8 .* refused before tokenizing'):
         eng.ask('pick up the red cup and place it in the bowl on the left please')
     with pytest.raises(ValueError, match='takes no questions'):
         make_engine(model, tokenizer, max_question_tokens=0).ask('why?')

@@ -27,10 +27,10 @@ import torch
 import yaml
 
 from ..model import Pi05, load_config
-from ..model.checkpoint import Checkpoint, open_checkpoint
+from ..model.checkpoint import Checkpoint, checkpoint_tokenizer, open_checkpoint
 from ..model.processing import CONVENTIONS, NormStats, prepare_image
 from ..model.rtc import Guide, Handover
-from ..model.tokenizer import Tokenizer, action_prompt, subtask_prompt
+from ..model.tokenizer import Tokenizer, action_prompt, prompt_tokens, subtask_prompt
 from .fleet import BatchGuide
 from .kv_cache import KVCache
 from .parallel import ParallelScheduler
@@ -52,7 +52,9 @@ class EngineConfig:
     normalize: bool = True  # False: run a checkpoint without normalisation stats on purpose
     conventions: str = ''  # 'openpi' or 'lerobot'; '' = what the checkpoint directory is
     asset_id: str = ''  # openpi: which assets/<asset_id>/norm_stats.json; '' = the only one
-    tokenizer: str = ''  # SentencePiece model path; '' = small built-in tokenizer
+    # SentencePiece model path; '' = a checkpoint's own (checkpoint_tokenizer), else the small
+    # built-in tokenizer
+    tokenizer: str = ''
     device: str = 'cpu'
     mode: str = 'oxygen'
     denoise_steps: int = 0  # 0 = the checkpoint's (LeRobot num_inference_steps), else 10
@@ -224,8 +226,16 @@ class Engine:
         self.model = model = self.checkpoint.model
         self.model_cfg = model.cfg
         self.norm = self.checkpoint.norm
-        self.tokenizer = tokenizer or (Tokenizer(cfg.tokenizer) if cfg.tokenizer
-                                       else Tokenizer.default())
+        # Where the tokenizer came from, for the start-up log. A checkpoint's must be the one
+        # of its vocabulary (checkpoint_tokenizer refuses others); random weights take any.
+        if tokenizer is not None:
+            self.tokenizer, self.tokenizer_from = tokenizer, 'given'
+        elif self.checkpoint.layout in ('random', 'given'):
+            self.tokenizer = Tokenizer(cfg.tokenizer) if cfg.tokenizer else Tokenizer.default()
+            self.tokenizer_from = 'tokenizer' if cfg.tokenizer else 'built-in'
+        else:
+            self.tokenizer, self.tokenizer_from = checkpoint_tokenizer(self.checkpoint,
+                                                                       cfg.tokenizer)
         if self.tokenizer.vocab_size > self.model_cfg.vocab:
             raise ValueError(f'tokenizer has {self.tokenizer.vocab_size} pieces but the model '
                              f'only {self.model_cfg.vocab}')
@@ -271,9 +281,14 @@ class Engine:
                                    pin_memory=True) if self.device.type == 'cuda' else None
         self._recent = collections.deque(maxlen=200)  # (wall time, frame ms, tokens)
         self.frames = 0
+        # What stats() and robot_stats() report of the scheduler, taken by the thread that
+        # runs frames as each ends: diagnostics run on another thread, and the scheduler's
+        # lists and row owners change under them while a frame runs.
+        self._stats_lock = threading.Lock()
         self._last: torch.Tensor | None = None  # the last chunk, model space (for RTC)
         self.guided = 0
         self._robots: dict[str, _Robot] = {}
+        self._snap = self._scheduler_snapshot()
         # Frame start to chunks out, per robots in the frame (step_fleet), for planning.
         self._chunk_ms = AdaptiveK(budget, 1)
         self._fleet_pinned = torch.empty(cfg.robots, len(self.slots), 3, size, size,
@@ -327,6 +342,12 @@ class Engine:
         return dict(layout=c.layout, path=c.info.get('path'), asset_id=c.info.get('asset_id'),
                     stats_files=c.info.get('stats_files', []),
                     normalization=self.norm.modes if self.norm is not None else None)
+
+    def prompt_tokens(self, task: str, state_dim: int) -> int:
+        """The most tokens the prefix text of `task` takes with a `state_dim`-d state (any
+        state, in this engine's prompt format); over model_cfg.max_token_len the tokenizer
+        cuts the end, the state."""
+        return prompt_tokens(self.tokenizer, task, state_dim, self.cfg.prompt_format)
 
     # -- observation -> tensors ------------------------------------------------------------
 
@@ -484,8 +505,7 @@ class Engine:
         if narration is not None and narration.reason == 'rejected':
             result.rejected = (f'narration request of frame {obs.stamp:.3f} rejected: all '
                                f'{self.cache.max_requests} KV slots are busy')
-        self.frames += 1
-        self._recent.append((time.monotonic(), out.timing['frame_ms'], len(out.tokens)))
+        self._frame_done(out.timing['frame_ms'], len(out.tokens))
         return result
 
     # -- frames of several robots ----------------------------------------------------------
@@ -512,14 +532,16 @@ class Engine:
         return tuple(self._robots)
 
     def robot_stats(self, name: str) -> dict:
-        """One robot's part of the engine, for its diagnostics."""
+        """One robot's part of the engine, for its diagnostics (safe from any thread)."""
         rb = self._robots[name]
-        s = self.scheduler
-        return dict(frames=rb.frames, errors=rb.errors, rtc_frames=rb.guided,
-                    kv_rows=s.held(name), kv_row_cap=s.cap(name),
-                    active_requests=sum(r.robot == name for r in s.active),
-                    pending_requests=sum(r.robot == name for r, _ in s.pending),
-                    questions_waiting=len(rb.inbox))
+        with self._stats_lock:
+            snap = self._snap['robots'].get(name) or dict(
+                kv_rows=0, kv_row_cap=self.scheduler.cap(name), active_requests=0,
+                pending_requests=0)
+            out = dict(frames=rb.frames, errors=rb.errors, rtc_frames=rb.guided, **snap)
+        with self._lock:
+            out['questions_waiting'] = len(rb.inbox)
+        return out
 
     def chunk_seconds(self, robots: int) -> float | None:
         """Expected seconds from a frame's start to its chunks, for a frame of ``robots``
@@ -677,9 +699,33 @@ class Engine:
             else:
                 result.results[n] = r
         result.timing = timing
-        self.frames += 1
         self._chunk_ms.observe(b, timing['chunk_ms'])
-        self._recent.append((time.monotonic(), timing['frame_ms'], len(out.tokens)))
+        self._frame_done(timing['frame_ms'], len(out.tokens))
+
+    def _frame_done(self, frame_ms: float, tokens: int) -> None:
+        with self._owner:  # a cancel from another thread may change the scheduler
+            snap = self._scheduler_snapshot()
+        with self._stats_lock:
+            self.frames += 1
+            self._recent.append((time.monotonic(), frame_ms, tokens))
+            self._snap = snap
+
+    def _refresh(self) -> None:
+        """A new snapshot for stats(); the caller owns the scheduler."""
+        snap = self._scheduler_snapshot()
+        with self._stats_lock:
+            self._snap = snap
+
+    def _scheduler_snapshot(self) -> dict:
+        s = self.scheduler
+        active = [r.robot for r in s.active]
+        pending = [r.robot for r, _ in s.pending]
+        robots = {n: dict(kv_rows=s.held(n), kv_row_cap=s.cap(n),
+                          active_requests=active.count(n), pending_requests=pending.count(n))
+                  for n in self._robots}
+        return dict(active_requests=len(active), pending_requests=len(pending),
+                    deadline_misses=s.deadline_misses, rejected_requests=s.rejected,
+                    dropped_requests=s.dropped, robots=robots)
 
     def _batch_failed(self, ready, requests, e: BatchError, result: FleetResult) -> None:
         """A failed batch: what it ended is reported, its questions not started go back to
@@ -740,12 +786,23 @@ class Engine:
             raise ValueError(f'max_new_tokens must be in [0, {limit}] (0 = {limit}), got '
                              f'{max_new_tokens}')
         fmt = prompt_format or QUESTION_FORMAT
-        if fmt.count('{question}') != 1:
-            raise ValueError(f'prompt_format must hold {{question}} exactly once, got {fmt!r}')
-        tokens = self.tokenizer.encode(fmt.replace('{question}', question), bos=False)
         room = self.cfg.max_question_tokens
         if room == 0:
             raise ValueError('this engine takes no questions (max_question_tokens is 0)')
+        # Checked before tokenizing, which costs time in proportion to the text: no token
+        # covers more than the tokenizer's longest piece, so longer text cannot fit (text
+        # the tokenizer would normalise shorter, a run of spaces, is refused too).
+        chars = len(question) + len(fmt) - len('{question}')
+        most = room * self.tokenizer.longest_piece
+        if chars > most:
+            raise ValueError(f'the question takes {chars} characters with its format, over '
+                             f'the {most} taken for max_question_tokens {room} (a token is '
+                             f'{self.tokenizer.longest_piece} characters at most): refused '
+                             'before tokenizing')
+        if fmt.count('{question}') != 1:
+            raise ValueError(f'prompt_format must hold {{question}} exactly once, got '
+                             f'{fmt[:100]!r}')
+        tokens = self.tokenizer.encode(fmt.replace('{question}', question), bos=False)
         if len(tokens) > room:
             raise ValueError(f'the question takes {len(tokens)} tokens; at most {room} fit '
                              f'(max_question_tokens)')
@@ -759,6 +816,18 @@ class Engine:
         with self._lock:
             (self._inbox if robot is None else self._robots[robot].inbox).append(r)
         return r.id
+
+    def withdraw(self, request_id: int) -> bool:
+        """Take back a question that still waits for its frame: True when it was waiting
+        (it is gone, with no event), False when a frame took it already (or it is unknown),
+        whose events then come as usual."""
+        with self._lock:
+            for inbox in [self._inbox] + [rb.inbox for rb in self._robots.values()]:
+                for i, r in enumerate(inbox):
+                    if r.id == request_id:
+                        del inbox[i]
+                        return True
+        return False
 
     def cancel(self, request_id: int) -> list[TokenEvent]:
         """End a question or narration by id, freeing its KV row.
@@ -781,6 +850,7 @@ class Engine:
                 return []
         try:
             r = self.scheduler.cancel(request_id)
+            self._refresh()  # its row is free now, not at the next frame
             return [self._final(r)] if r is not None else []
         finally:
             self._owner.release()
@@ -834,28 +904,35 @@ class Engine:
             self._cancels.clear()
             for r in ended:
                 r.note = r.note or 'every request cancelled'
+            self._refresh()  # diagnostics after a deactivate: no frame comes to do it
             return [self._final(r) for r in ended]
 
     def stats(self) -> dict:
-        ms = np.array([m for _, m, _ in self._recent]) if self._recent else np.zeros(1)
-        tokens = sum(n for _, _, n in self._recent)
-        s = self.scheduler
+        """The engine's figures for diagnostics; safe from any thread (the scheduler's part
+        is the snapshot taken as the last frame ended)."""
+        with self._stats_lock:
+            recent = list(self._recent)
+            snap = dict(self._snap)
+            frames = self.frames
+        with self._lock:
+            waiting = len(self._inbox) + sum(len(rb.inbox) for rb in self._robots.values())
+        ms = np.array([m for _, m, _ in recent]) if recent else np.zeros(1)
+        tokens = sum(n for _, _, n in recent)
         return dict(
-            frames=self.frames,
-            action_hz=self.action_horizon * 1000.0 / ms.mean() if self._recent else 0.0,
+            frames=frames,
+            action_hz=self.action_horizon * 1000.0 / ms.mean() if recent else 0.0,
             frame_ms_p50=float(np.percentile(ms, 50)),
             frame_ms_p99=float(np.percentile(ms, 99)),
-            tokens_per_s=tokens * 1000.0 / ms.sum() if self._recent else 0.0,
-            active_requests=len(s.active),
-            pending_requests=len(s.pending),
-            questions_waiting=len(self._inbox) + sum(len(rb.inbox)
-                                                     for rb in self._robots.values()),
+            tokens_per_s=tokens * 1000.0 / ms.sum() if recent else 0.0,
+            active_requests=snap['active_requests'],
+            pending_requests=snap['pending_requests'],
+            questions_waiting=waiting,
             kv_bytes=self.cache.total_bytes,
             kv_bytes_per_slot=self.cache.bytes_per_slot,
-            deadline_misses=s.deadline_misses,
+            deadline_misses=snap['deadline_misses'],
             rtc_frames=self.guided + sum(rb.guided for rb in self._robots.values()),
-            rejected_requests=s.rejected,
-            dropped_requests=s.dropped,
+            rejected_requests=snap['rejected_requests'],
+            dropped_requests=snap['dropped_requests'],
         )
 
 

@@ -73,6 +73,8 @@ class Planner:
         age = now - t.stamp
         if age > self.max_input_age:
             return f'inputs {age:.3f} s old (max_input_age {self.max_input_age:.3f} s)'
+        if age < -self.max_input_age:  # the clock jumped back under them
+            return f'inputs stamped {-age:.3f} s ahead of the clock'
         return None
 
     def plan(self, now: float, robots: dict[str, RobotTimes]) -> Plan:
