@@ -3,24 +3,33 @@
 A chunk's action i is for its frame time + i action periods. Every control tick the player
 publishes the actions still ahead, up to `horizon` seconds ahead and, with `play_steps`,
 only the first n actions of the chunk. When there is nothing left to play (chunk used up,
-inputs stale, model failure, deactivate, shutdown) it says "hold" once: one point at the
-last measured positions with zero velocity, which replaces whatever the controller is
-executing. With joint limits (limits.py) every published point is limited, and a chunk
-whose targets lie too far beyond them is dropped for a hold; the motion is limited from
-the controller's current state, the measured positions moving at the velocity of the last
-published trajectory at that time, and a hold of a moving joint brakes within its limits.
+inputs stale, model failure, deactivate, shutdown) it says "hold" once, which replaces
+whatever the controller is executing: at rest where the controller's setpoint is at that
+instant along the last trajectory sent (the player keeps what it sent and follows it as the
+controller interpolates it), so a hold never sends the arm back to an old reading; before
+anything was sent, at a fresh measured position; with neither, no target (NaN). With joint
+limits (limits.py) every published point is limited, and a chunk whose targets lie too far
+beyond them is dropped for a hold; the motion is limited from the controller's current
+state (a fresh reading, else the setpoint, moving at the velocity of the last trajectory
+sent) and a hold of a moving joint brakes within its limits.
 Plain numpy in and out, so the tests drive it without ROS.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from oxygen_ros.limits import Finding, JointLimits, velocity_at
+from oxygen_ros.limits import Finding, JointLimits, position_at, velocity_at
+
+# Commands kept to say where the controller's setpoint was when a reading was taken: two
+# seconds of them at 70 Hz, longer than any reading counts as fresh by default.
+SENT_KEPT = 140
+RECENT_S = 0.1
 
 
 @dataclass
@@ -72,7 +81,7 @@ class Command:
     """What to publish now: points at `times` (seconds from now, increasing, > 0)."""
 
     times: np.ndarray
-    positions: np.ndarray  # [N, action_dim]; NaN where a hold has no measured position
+    positions: np.ndarray  # [N, action_dim]; NaN where a hold has no position to hold at
     velocities: np.ndarray
     hold: str | None = None  # why, when this is a hold
     findings: list[Finding] = field(default_factory=list)  # what the joint limits did
@@ -102,13 +111,17 @@ class Player:
         self.play_steps = play_steps
         self.hold_after = hold_after
         self.limits = limits
+        # A reading this old or newer says where the arm is better than the setpoint does
+        # (a few control periods: about how often a joint stream comes).
+        self.recent = max(RECENT_S, 3 * hold_after)
         self._chunk: Chunk | None = None
         self._hold: str | None = None  # a hold still to be published, and why
         # (chunk, first action, targets, velocities) of the last re-anchoring.
         self._anchor: tuple | None = None
         # (time, start positions, start velocities, times, positions, velocities) of the
-        # last limited command: where the controller is moving now.
-        self._sent: tuple | None = None
+        # last commands and holds sent, oldest first: where the controller's setpoint is and
+        # was, and how it moves.
+        self._sent: collections.deque = collections.deque(maxlen=SENT_KEPT)
         self._lock = threading.Lock()
 
     @property
@@ -130,13 +143,34 @@ class Player:
             self._hold = why
             return True
 
+    def drop(self) -> None:
+        """Drop the chunk without a hold: another node commands the robot now, and a hold
+        would fight it. What was sent no longer says where the controller is."""
+        with self._lock:
+            self._chunk = None
+            self._hold = None
+            self._sent.clear()
+
+    def forget(self) -> None:
+        """What was sent no longer says where the controller is (a new activation: the
+        robot may have been moved since, by hand or by another node)."""
+        with self._lock:
+            self._sent.clear()
+
+    def shift(self, delta: float) -> None:
+        """The clock jumped by `delta` s: what was sent keeps its place in the controller's
+        time (which did not jump), so a hold still starts where the controller is."""
+        with self._lock:
+            self._sent = collections.deque(((r[0] + delta, *r[1:]) for r in self._sent),
+                                           maxlen=SENT_KEPT)
+
     def tick(self, now: float, measured: Callable[[], np.ndarray | None] | None = None,
              hold_at: Callable[[], np.ndarray] | None = None) -> Command | None:
         """What to publish at `now`: the chunk's points still ahead, a hold, or None.
 
         measured: gives the latest raw robot state, for chunks that re-anchor on it.
-        hold_at: gives [action_dim] positions to hold at (the last measured ones); with
-        limits, also where the first published point is reached from.
+        hold_at: gives [action_dim] fresh measured positions (NaN where there is none): a
+        hold's target only where nothing was sent yet, and where a command's motion starts.
         Both are called only when needed.
         """
         with self._lock:
@@ -165,53 +199,126 @@ class Player:
         positions, vel = chunk.positions[first:], chunk.velocities[first:]
         if chunk.reanchor is not None and measured is not None:
             positions, vel = self._anchored(chunk, first, measured, positions, vel)
+        if hold_at is None and self.limits is not None:
+            raise ValueError('joint limits need the measured positions')
+        # The controller starts a new trajectory from the arm's state: a recent reading
+        # moved on along the setpoint since it was read, else the setpoint.
+        start = self._start(now, hold_at, positions.shape[1])[0]
+
         if self.limits is None:
             vel = vel[:n].copy()
             # The last published point must be at rest, as the controller requires.
             vel[-1] = 0.0
+            self._sent.append((now, start, self.moving(now), times[:n], positions[:n], vel))
             return Command(times[:n], positions[:n], vel)
-        if hold_at is None:
-            raise ValueError('joint limits need the measured positions')
-        at = np.asarray(hold_at(), dtype=np.float64)
         # The whole rest of the chunk is judged at once: one target far out of range means
         # the model does not fit the robot, and none of its chunk should be played. A chunk
         # that re-anchors is judged by the target of the step now starting: the rest is an
         # extension recomputed at each step (DROID velocities integrated from where the arm
         # is), which runs past a limit whenever the arm moves toward it.
         judged = positions[:1] if chunk.reanchor is not None else positions[:last - first]
-        why = self.limits.too_far(judged, at)
+        why = self.limits.too_far(judged, start)
+        unknown = [self.limits.names[i] for i in self.limits.index
+                   if not np.isfinite(start[i])]
+        if unknown and not why:
+            # The speed limit needs where the motion starts: nothing sent and no fresh
+            # reading of these joints.
+            why = f'no position of {", ".join(unknown)} to limit the motion from'
         if why:
             with self._lock:
                 if self._chunk is chunk:
                     self._chunk = None
-            return self._hold_command(why, lambda: at, now)
+            return self._hold_command(why, hold_at, now)
         moving = self.moving(now)
-        out = self.limits.apply(times[:n], positions[:n], vel[:n], at, moving,
+        out = self.limits.apply(times[:n], positions[:n], vel[:n], start, moving,
                                 max(chunk.period, self.hold_after))
-        self._sent = (now, at, moving, times[:n], out.positions, out.velocities)
+        self._sent.append((now, start, moving, times[:n], out.positions, out.velocities))
         return Command(times[:n], out.positions, out.velocities, findings=out.findings)
 
+    def _record(self, t: float):
+        """The last command sent at or before t; None before the first."""
+        for r in reversed(self._sent):
+            if r[0] <= t:
+                return r
+        return None
+
     def moving(self, now: float) -> np.ndarray | None:
-        """The velocities the controller moves at `now` along the last limited command
-        (None before the first)."""
-        if self._sent is None:
+        """The velocities the controller moves at `now` along the last command sent (None
+        before the first)."""
+        r = self._record(now)
+        if r is None:
             return None
-        t, at, w, times, pos, vel = self._sent
+        t, at, w, times, pos, vel = r
         return velocity_at(now - t, at, w, times, pos, vel)
+
+    def setpoint(self, now: float) -> np.ndarray | None:
+        """[action_dim] where the controller's setpoint is at `now` along the last command
+        sent (None before the first; NaN where it had no position)."""
+        r = self._record(now)
+        if r is None:
+            return None
+        t, at, w, times, pos, vel = r
+        return position_at(now - t, at, w, times, pos, vel)
+
+    def _start(self, now: float, hold_at, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """(where the controller is now, the recent reading): a reading at most `recent` s
+        old moved on by as much as the setpoint moved since its stamp; the setpoint alone
+        where there is none (an older reading lies behind an arm that went on along what
+        was sent, as far as it moves in max_input_age); the reading alone where nothing was
+        sent. NaN where none of them says. The estimate is kept between the reading and the
+        setpoint."""
+        got = None if hold_at is None else hold_at()
+        if isinstance(got, tuple):
+            read, stamps = (np.array(x, dtype=np.float64) for x in got)
+        else:
+            read = (np.full(dim, np.nan) if got is None else np.array(got, dtype=np.float64))
+            stamps = np.full(dim, now)
+        sp = self.setpoint(now)
+        if sp is not None:
+            read[~(now - stamps <= self.recent)] = np.nan
+        if sp is None:
+            return read.copy(), read
+        at = sp.copy()
+        for t in np.unique(stamps[np.isfinite(read)]).tolist():
+            then = self.setpoint(t)
+            if then is None:  # read before the first command kept: from where it started
+                then = self._sent[0][1]
+            k = np.isfinite(read) & (stamps == t)
+            moved = sp[k] - then[k]
+            at[k] = read[k] + np.where(np.isfinite(moved), moved, 0.0)
+        # Never beyond both the reading and the setpoint: where the motion reversed since the
+        # stamp, or the arm stalled (blocked, or not following at all), "moved on as the
+        # setpoint did" overshoots what the arm can have done.
+        both = np.isfinite(read) & np.isfinite(sp)
+        at[both] = np.clip(at[both], np.minimum(read[both], sp[both]),
+                           np.maximum(read[both], sp[both]))
+        return at, read
 
     def _hold_command(self, why: str, hold_at, now: float) -> Command:
         if hold_at is None:
             raise ValueError('a hold needs the positions to hold at')
-        pos = np.asarray(hold_at(), dtype=np.float64)
+        # Where the controller is now, not where the arm was last read: holding there would
+        # send it back. Nothing sent and no fresh reading: NaN, no target.
+        pos = self._start(now, hold_at, self._dim())[0]
         if self.limits is None:
-            return Command(np.array([self.hold_after]), pos[None], np.zeros((1, len(pos))),
-                           hold=why)
+            cmd = Command(np.array([self.hold_after]), pos[None], np.zeros((1, len(pos))),
+                          hold=why)
+            self._sent.append((now, pos, self.moving(now), cmd.times, cmd.positions,
+                               cmd.velocities))
+            return cmd
         # Where the robot is, even beyond a limit: a hold must not move it (said instead),
         # except that a moving joint brakes to rest within its limits.
         moving = self.moving(now)
         times, p, v = self.limits.stop(pos, moving, self.hold_after, self.horizon)
-        self._sent = (now, pos, moving, times, p, v)
+        self._sent.append((now, pos, moving, times, p, v))
         return Command(times, p, v, hold=why, findings=self.limits.outside(pos))
+
+    def _dim(self) -> int:
+        if self._sent:
+            return len(self._sent[-1][1])
+        if self.limits is not None:
+            return len(self.limits.lower)
+        return 0
 
     def _anchored(self, chunk, first, measured, positions, vel):
         """Targets re-anchored on the state measured when action `first` became the next

@@ -37,6 +37,11 @@ def hold_at():
     return np.array([0.5, -0.5])
 
 
+def read_at(t, q=(0.5, -0.5)):
+    """A reading of q taken at t (its stamp), as the node's readings come."""
+    return lambda: (np.array(q, dtype=float), np.full(len(q), float(t)))
+
+
 def test_points_ahead_within_the_horizon():
     p = Player(horizon=0.36)
     p.play(ramp())
@@ -49,17 +54,83 @@ def test_points_ahead_within_the_horizon():
     assert cmd.hold is None
 
 
-def test_used_up_chunk_holds_once_at_the_measured_positions():
+def test_used_up_chunk_holds_once_where_the_controller_is():
     p = Player(horizon=1.0, hold_after=0.02)
     p.play(ramp(n=3))
     assert p.tick(0.15, hold_at=hold_at).positions[0, 0] == 3  # action 2 still ahead
-    cmd = p.tick(0.25, hold_at=hold_at)
+    # The only reading was taken at 0 s, before anything was sent: the arm went on from it.
+    cmd = p.tick(0.25, hold_at=read_at(0.0))
     assert cmd.hold == 'action chunk used up before the next one arrived'
     np.testing.assert_array_equal(cmd.times, [0.02])
-    np.testing.assert_array_equal(cmd.positions, [[0.5, -0.5]])
+    # The last command ended at action 2 (3, 5) at 0.2 s: the controller rests there. The
+    # reading (0.5, -0.5) is where the arm was long before; holding there would move it.
+    np.testing.assert_array_equal(cmd.positions, [[3.0, 5.0]])
     np.testing.assert_array_equal(cmd.velocities, [[0.0, 0.0]])
     assert p.tick(0.3, hold_at=hold_at) is None  # said once
     assert p.tick(0.4, hold_at=hold_at) is None
+
+
+def hermite(t, p0, v0, p1, v1, h):
+    # The controller's cubic between two points, written out independently of limits.py.
+    a0, a1 = p0, v0
+    a2 = (3 * (p1 - p0) - (2 * v0 + v1) * h) / h ** 2
+    a3 = (2 * (p0 - p1) + (v0 + v1) * h) / h ** 3
+    return a0 + a1 * t + a2 * t ** 2 + a3 * t ** 3
+
+
+def test_a_hold_mid_motion_targets_the_setpoint_not_the_last_reading():
+    p = Player(horizon=1.0, hold_after=0.02)
+    p.play(ramp(n=10))
+    first = p.tick(0.05, hold_at=read_at(0.0))  # points at 0.1, 0.2, ... (2, 3, ...) s
+    assert p.stop('inputs stale')
+    cmd = p.tick(0.12, hold_at=read_at(0.0))  # no newer reading came
+    assert cmd.hold == 'inputs stale'
+    # 0.07 s into the command: on the cubic from the reading (0.5, at rest) to point 0
+    # (2 at 0.05 s, 10/s), then 0.02 s into the segment to point 1 (3 at 0.15 s, 10/s).
+    want = hermite(0.02, 2.0, 10.0, 3.0, 10.0, 0.1)
+    assert first.positions[0, 0] == 2 and first.velocities[0, 0] == 10
+    np.testing.assert_allclose(cmd.positions[0], [want, 5.0])
+    np.testing.assert_array_equal(cmd.velocities, [[0.0, 0.0]])
+    # A reading of 1.8 taken at 0.1 s, when the setpoint was at s1 = hermite(0.0), puts
+    # the arm s - s1 further on now: it lags the setpoint by s1 - 1.8.
+    s1 = hermite(0.0, 2.0, 10.0, 3.0, 10.0, 0.1)
+    p = Player(horizon=1.0, hold_after=0.02)
+    p.play(ramp(n=10))
+    p.tick(0.05, hold_at=read_at(0.0))
+    p.stop('inputs stale')
+    again = p.tick(0.12, hold_at=read_at(0.1, (1.8, 5.0)))
+    np.testing.assert_allclose(again.positions[0], [1.8 + want - s1, 5.0])
+    # The hold spline rests there, never moving faster than the 10/s it moved at.
+    np.testing.assert_allclose(p.setpoint(0.14), [1.8 + want - s1, 5.0])
+    assert all(abs(p.moving(t)[0]) <= 10.0 for t in np.linspace(0.12, 0.14, 21))
+    # Never beyond both the reading and the setpoint: an arm read 0.5 ahead of its setpoint
+    # is not taken to have gone on another 0.2 past it.
+    p = Player(horizon=1.0, hold_after=0.02)
+    p.play(ramp(n=10))
+    p.tick(0.05, hold_at=read_at(0.0))
+    p.stop('inputs stale')
+    ahead = p.tick(0.12, hold_at=read_at(0.1, (2.5, 5.0)))
+    np.testing.assert_allclose(ahead.positions[0], [2.5, 5.0])
+
+
+def test_a_hold_before_anything_was_sent_takes_a_fresh_reading_or_nothing():
+    p = Player(horizon=1.0, hold_after=0.02)
+    p.play(ramp(n=1, stamp=0.0))  # its one action is already due at 0.05: nothing to play
+    cmd = p.tick(0.05, hold_at=lambda: np.array([0.5, np.nan]))
+    assert cmd.hold == 'action chunk used up before the next one arrived'
+    # Joint 0 read fresh: held there; joint 1 has no fresh reading: no target (NaN), which
+    # the node reports and does not publish.
+    assert cmd.positions[0, 0] == 0.5 and np.isnan(cmd.positions[0, 1])
+
+
+def test_forget_makes_the_next_hold_start_from_a_reading():
+    p = Player(horizon=1.0, hold_after=0.02)
+    p.play(ramp(n=3))
+    p.tick(0.05, hold_at=hold_at)
+    p.forget()  # e.g. a new activation: the arm may have been moved since
+    assert p.setpoint(0.06) is None
+    p.stop('deactivated')
+    np.testing.assert_array_equal(p.tick(0.06, hold_at=hold_at).positions, [[0.5, -0.5]])
 
 
 @pytest.mark.parametrize('n,play_steps', [(5, 0), (5, 3), (5, 9), (1, 0)])

@@ -1,0 +1,144 @@
+"""Properties of the player with joint limits, on random chunks, readings and holds.
+
+An arm that follows its controller perfectly (the controller interpolates every trajectory
+it gets as joint_trajectory_controller does: aloha_sim's copy of its rules, independent of
+limits.py) is driven by the player at 70 Hz for a few seconds: chunks come and go (some far
+out of range), the node stops and starts, and readings of the arm come late, stale or not at
+all. Whatever happens, every trajectory sent keeps each joint within its range and its
+speed limit along the whole motion the controller makes of it, and a hold never jumps.
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from oxygen_ros.aloha_sim import hermite
+from oxygen_ros.limits import JointLimits, Limit
+from oxygen_ros.playback import Player, make_chunk
+
+RATE = 70.0
+DIM = 2
+
+
+class Arm:
+    """Where a perfectly tracking arm is and was: the controller's setpoint along what it
+    got, each trajectory from the state it was in when the trajectory came."""
+
+    def __init__(self, q):
+        self.got = []  # (arrival, start position, start velocity, times, pos, vel)
+        self.rest = np.array(q, float)
+
+    @property
+    def traj(self):
+        return self.got[-1] if self.got else None
+
+    def state(self, t):
+        """(position, velocity) at t."""
+        past = [g for g in self.got if g[0] <= t]
+        if not past:
+            return self.rest.copy(), np.zeros(DIM)
+        t0, p, v, times, pos, vel = past[-1]
+        ta = t0
+        for tk, q, w in zip(times, pos, vel, strict=True):
+            tb = t0 + tk
+            if t < tb:
+                return hermite(t, ta, p, v, tb, q, w)
+            ta, p, v = tb, q, w
+        return np.array(p, float), np.zeros(DIM)
+
+    def receive(self, t, cmd):
+        p, v = self.state(t)
+        self.got.append((t, p, v, cmd.times, cmd.positions, cmd.velocities))
+
+
+def segments(t, arm):
+    """The controller's velocity along its current trajectory, sampled finely."""
+    t0, p, v, times, pos, vel = arm.traj
+    out = []
+    ta, pa, va = t0, p, v
+    for tk, q, w in zip(times, pos, vel):
+        for s in np.linspace(ta, t0 + tk, 25):
+            out.append(hermite(s, ta, pa, va, t0 + tk, q, w)[1])
+        ta, pa, va = t0 + tk, q, w
+    return np.array(out)
+
+
+scenario = st.fixed_dictionaries({
+    'speed': st.lists(st.floats(0.2, 3.0), min_size=DIM, max_size=DIM),
+    'accel': st.one_of(st.none(), st.floats(2.0, 50.0)),
+    'chunks': st.lists(st.lists(st.lists(st.floats(-2.0, 2.0), min_size=DIM, max_size=DIM),
+                                min_size=2, max_size=8), min_size=1, max_size=6),
+    # Per tick: 0 nothing new, 1 a reading, 2 a stale stream (no reading), 3 stop
+    'events': st.lists(st.sampled_from([0, 1, 1, 1, 2, 3]), min_size=60, max_size=200),
+    'age': st.floats(0.0, 0.3),
+})
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario)
+def test_every_command_stays_in_range_and_speed_and_holds_never_jump(sc):
+    lims = {i: (f'g/j{i}', Limit(-1.0, 1.0, sc['speed'][i],
+                                 np.inf if sc['accel'] is None else sc['accel']))
+            for i in range(DIM)}
+    limits = JointLimits(DIM, lims, 1000.0)  # always clamp: every target is played
+    player = Player(horizon=0.5, hold_after=1 / RATE, limits=limits)
+    arm = Arm(np.zeros(DIM))
+    speed = np.array(sc['speed'])
+    # (positions, stamps) the node holds, or None. A chunk comes from a frame, and a frame
+    # needs a reading: the first is of the arm at rest.
+    reading = (np.zeros(DIM), np.full(DIM, 1.0))
+    chunks = list(sc['chunks'])
+    for k, ev in enumerate(sc['events']):
+        t = 1.0 + k / RATE
+        if k % 7 == 0 and chunks:
+            player.play(make_chunk(t - 0.02, 0.1, chunks.pop(0)))
+        if ev == 1:
+            at = max(t - sc['age'], 1.0)
+            reading = (arm.state(at)[0], np.full(DIM, at))
+        elif ev == 2:
+            reading = None
+        elif ev == 3:
+            player.stop('stopped')
+        got = reading if reading is not None else (np.full(DIM, np.nan), np.full(DIM, np.nan))
+        cmd = player.tick(t, hold_at=lambda g=got: g)
+        if cmd is None:
+            continue
+        if not np.all(np.isfinite(cmd.positions)):
+            # No target: only a hold with nothing sent and no fresh reading (not published).
+            assert cmd.hold and arm.traj is None, cmd
+            continue
+        q, _ = arm.state(t)
+        arm.receive(t, cmd)
+        assert np.all(np.abs(cmd.positions) <= 1.0 + 1e-9), cmd.positions
+        v = segments(t, arm)
+        assert np.all(np.abs(v) <= speed * (1 + 1e-6) + 1e-9), (cmd, np.abs(v).max(0))
+        if cmd.hold:
+            # Where the arm is: no further than one control period at the speed limit.
+            assert np.all(np.abs(cmd.positions[0] - q) <= speed / RATE + 1e-9), (cmd, q)
+
+
+@pytest.mark.parametrize('age', [0.0, 0.05, 0.3])
+def test_a_hold_after_the_stream_stopped_is_where_the_arm_is(age):
+    """The reading stops mid-motion: the hold lands where the tracking arm is, not where it
+    was last read (which would be a jump of the distance it moved since)."""
+    limits = JointLimits(DIM, {i: (f'g/j{i}', Limit(-5, 5, 10.0)) for i in range(DIM)}, 1.0)
+    player = Player(horizon=0.5, hold_after=1 / RATE, limits=limits)
+    arm = Arm(np.zeros(DIM))
+    player.play(make_chunk(1.0, 0.1, [[0.1 * i, -0.1 * i] for i in range(1, 20)]))
+    last = None
+    for k in range(70):
+        t = 1.0 + k / RATE
+        if t < 1.5:
+            last = (arm.state(t - age)[0], np.full(DIM, t - age))
+        if k == 50:
+            player.stop('inputs stale')
+        cmd = player.tick(t, hold_at=lambda g=last: g)
+        if cmd is None:
+            continue
+        q, _ = arm.state(t)
+        arm.receive(t, cmd)
+        if cmd.hold:
+            assert np.abs(q - last[0]).max() > 0.1  # the arm moved on since its reading
+            assert np.abs(cmd.positions[0] - q).max() < 1e-6, (cmd.positions, q)
+            return
+    pytest.fail('no hold')
