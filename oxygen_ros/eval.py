@@ -123,10 +123,16 @@ def direct(args, task: str, out: Path) -> list[dict]:
     profile = make_profile('aloha', **yaml.safe_load(p['profile_options']))
     slots = dict(zip(p['cameras'], p['camera_slots'], strict=True))
     engine = Engine(EngineConfig(model=args.model, checkpoint=args.checkpoint,
-                                 device=args.device, threads=args.threads,
+                                 tokenizer=args.tokenizer, device=args.device,
+                                 threads=args.threads,
                                  denoise_steps=args.denoise_steps))
     play = args.play_steps or engine.n_action_steps or engine.action_horizon
     prompt = args.prompt or PROMPTS[task]
+    # As the node refuses it: past max_token_len the tokenizer would cut off the state.
+    n, room = engine.prompt_tokens(prompt, profile.state_dim), engine.model_cfg.max_token_len
+    if n > room:
+        raise RuntimeError(f'the prompt takes {n} tokens with the {profile.state_dim}-d state, '
+                           f'over the model\'s max_token_len of {room}')
     sim = AlohaSim(task, args.width, args.height)
     guard = Guard(p['joint_limits'])
     episodes = []
@@ -265,7 +271,8 @@ def ros(args, task: str, out: Path) -> list[dict]:
     from oxygen_ros.msg import SimStep
     from oxygen_ros.srv import SimReset
 
-    node_params = {'model': args.model, 'checkpoint': args.checkpoint, 'device': args.device,
+    node_params = {'model': args.model, 'checkpoint': args.checkpoint,
+                   'tokenizer': args.tokenizer, 'device': args.device,
                    'threads': args.threads, 'denoise_steps': args.denoise_steps,
                    'allow_random_weights': not args.checkpoint, 'autostart': False,
                    'prompt': args.prompt or PROMPTS[task], 'play_steps': args.play_steps,
@@ -380,6 +387,8 @@ def main(argv=None) -> int:
     ap.add_argument('--model', default='small', help='tiny, small, pi05 or a YAML path')
     ap.add_argument('--checkpoint', default='', help="LeRobot/openpi pi05 directory; '' = "
                     'random weights')
+    ap.add_argument('--tokenizer', default='', help="the checkpoint's SentencePiece tokenizer "
+                    "(pi0.5: paligemma_tokenizer.model); '' = the one in its directory")
     ap.add_argument('--device', default='cpu')
     ap.add_argument('--threads', type=int, default=1)
     ap.add_argument('--denoise-steps', type=int, default=10)

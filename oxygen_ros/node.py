@@ -31,11 +31,13 @@ Threads, and why:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import signal
 import sys
 import threading
 import time
+import traceback
 
 from rcl_interfaces.msg import (
     FloatingPointRange,
@@ -67,8 +69,18 @@ from oxygen_ros.robot_link import RobotLink, problem_key
 __all__ = ['OxygenNode', 'main', 'problem_key']
 
 SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
+ERROR = TransitionCallbackReturn.ERROR
 # How long a stopping node spins on to send the results of the ~/ask goals it ended.
 ASK_CLOSE_S = 1.0
+# How long deactivate waits for the engine and control threads to end. One still running
+# after it (a frame that takes longer) makes the next activation refuse: never two at once.
+HALT_S = 10.0
+# How often the watchdog looks at the threads and faults (s, on the steady clock: it must
+# run while simulated time stands still).
+WATCH_S = 0.1
+# After a fault outside a frame, the engine thread looks again only this much later (s), so
+# a fault that repeats cannot spin a core.
+FAULT_WAIT_S = 0.05
 
 
 class RobotAsks:
@@ -82,6 +94,9 @@ class RobotAsks:
 
     def cancel(self, request_id: int):
         return self.engine.cancel(request_id)
+
+    def withdraw(self, request_id: int) -> bool:
+        return self.engine.withdraw(request_id)
 
 
 class AskServers:
@@ -108,8 +123,14 @@ class OxygenNode(LifecycleNode):
         self.log = self.get_logger()
         self.reporter = Reporter(self.log.warning)
         self._lock = threading.Lock()
-        self._stop = threading.Event()  # ends the engine thread
+        # Ends the engine thread of the current activation; each activation gets its own, so
+        # one that did not stop in time cannot be restarted by the next activation.
+        self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._stragglers: list[threading.Thread] = []  # threads that outlived HALT_S
+        # Why the node cannot go on commanding (the watchdog then takes it through
+        # ErrorProcessing); None while all is well.
+        self.fault: str | None = None
         self._ros: list = []  # publishers and timers made by configure
         self.engine = None
         self.asks = Asks()  # ~/ask goals; the engine takes them only while active
@@ -126,7 +147,7 @@ class OxygenNode(LifecycleNode):
             self.links = [RobotLink(self, self.cfg, reporter=self.reporter)]
             self.links[0].asks = self.asks
         self.by_name = {link.name: link for link in self.links}
-        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self.add_on_set_parameters_callback(self._set_parameters)
 
     # -- parameters ------------------------------------------------------------------------
 
@@ -137,11 +158,13 @@ class OxygenNode(LifecycleNode):
         # contract.coerce with a message that names the parameter.
         desc = ParameterDescriptor(description=p.description + _range_note(p),
                                    dynamic_typing=True, read_only=not p.live)
+        high = p.high
         if p.type in ('int', 'int[]') and p.low is not None:
-            desc.integer_range = [IntegerRange(from_value=int(p.low), to_value=2**31 - 1)]
+            desc.integer_range = [IntegerRange(from_value=int(p.low), to_value=int(
+                2**31 - 1 if high is None else high))]
         elif p.type == 'float' and p.low is not None:
-            desc.floating_point_range = [FloatingPointRange(from_value=float(p.low),
-                                                            to_value=1e300)]
+            desc.floating_point_range = [FloatingPointRange(from_value=float(p.low), to_value=(
+                1e300 if high is None else float(high)))]
         # Our message, naming the rule broken, before rclpy's range check on the override.
         override = self._parameter_overrides.get(name)
         if override is not None:
@@ -213,22 +236,38 @@ class OxygenNode(LifecycleNode):
             self._declare(f'{robot}.prompt', BY_NAME['prompt'], cfg.p['prompt'])
         return cfg, own.get('namespace') or robot
 
+    def _set_parameters(self, params) -> SetParametersResult:
+        try:
+            return self._on_set_parameters(params)
+        except Exception as e:  # the node's own fault: nothing may be left half applied
+            self.fail(f'setting parameters {[p.name for p in params]} failed: '
+                      f'{type(e).__name__}: {e}', traceback.format_exc())
+            return SetParametersResult(successful=False, reason=f'internal error: {e}')
+
     def _on_set_parameters(self, params) -> SetParametersResult:
         checked = {}
         for param in params:
             robot, _, base = param.name.partition('.')
             links = getattr(self, 'by_name', {})
             if param.name in BY_NAME:
-                cfg, name, only = self.cfg, param.name, None
+                # A node parameter is every robot's: each robot's contract must take it (a
+                # horizon against its action period, a prompt against its state and limit).
+                name, only = param.name, None
+                cfgs = [(link.label(), link.cfg) for link in links.values()] if self.fleet \
+                    else [('', self.cfg)]
             elif robot in self.fleet and robot in links:
-                cfg, name, only = links[robot].cfg, base, links[robot]
+                name, only = base, links[robot]
+                cfgs = [('', only.cfg)]
             else:
                 continue  # rclpy's own (use_sim_time), read-only ones, or before the links
-            try:
-                checked[param.name] = (name, cfg.check_live(name, param.value), only)
-            except StartError as e:
-                self.log.warning(f'parameter {param.name} not set: {e}')
-                return SetParametersResult(successful=False, reason=str(e))
+            for label, cfg in cfgs:
+                try:
+                    value = cfg.check_live(name, param.value)
+                except StartError as e:
+                    reason = f'{label}{e}'
+                    self.log.warning(f'parameter {param.name} not set: {reason}')
+                    return SetParametersResult(successful=False, reason=reason)
+            checked[param.name] = (name, value, only)
         for full, (name, value, only) in checked.items():
             self._apply(name, value, only, full)
         return SetParametersResult(successful=True)
@@ -291,7 +330,27 @@ class OxygenNode(LifecycleNode):
                 self.log.error(msg)
                 self.start_error = StartError(msg)
                 return FAILURE
-        self._stop.clear()
+        busy = [t.name for t in self._stragglers if t.is_alive()]
+        busy += [f'{link.label()}control' for link in self.links if link.busy()]
+        self._stragglers = [t for t in self._stragglers if t.is_alive()]
+        if busy:
+            msg = (f'refusing to activate: the {", ".join(busy)} thread of the last activation '
+                   f'is still running (it did not stop within {HALT_S:g} s of deactivate); '
+                   'activate again once it has ended')
+            self.log.error(msg)
+            self.start_error = StartError(msg)
+            return FAILURE
+        # Never two commanders: where another node has a publisher on a trajectory topic,
+        # listen for what it sends before taking the robot.
+        for link in self.links:
+            other = link.commanders(listen=cfg.p['commander_check'])
+            if other:
+                msg = f'refusing to activate: {link.label()}{other}'
+                self.log.error(msg)
+                self.start_error = StartError(msg)
+                return FAILURE
+        self.fault = None
+        self._stop = threading.Event()
         for link in self.links:
             link.activate()
         self._start_threads()
@@ -302,8 +361,10 @@ class OxygenNode(LifecycleNode):
         return SUCCESS
 
     def on_deactivate(self, state) -> TransitionCallbackReturn:
-        self._halt('deactivated')
-        return SUCCESS
+        fault = self.fault
+        self._halt(f'fault: {fault}' if fault else 'deactivated')
+        # A fault goes on through ErrorProcessing (on_error): the node ends unconfigured.
+        return ERROR if fault else SUCCESS
 
     def on_cleanup(self, state) -> TransitionCallbackReturn:
         self._cleanup()
@@ -319,10 +380,14 @@ class OxygenNode(LifecycleNode):
     def on_error(self, state) -> TransitionCallbackReturn:
         self._halt('lifecycle error')
         self._cleanup()
+        if self.fault:
+            self.log.error(f'unconfigured after a fault ({self.fault}): configure and '
+                           'activate to command again')
         return SUCCESS
 
     def _configure(self):
         from oxygen_ros.engine import Engine, EngineConfig
+        from oxygen_ros.model.tokenizer import prompt_tokens
 
         cfg = self.cfg
         self.reporter.period = cfg.p['report_period']
@@ -341,9 +406,17 @@ class OxygenNode(LifecycleNode):
         e = self.engine
         for link in self.links:
             link.cfg.sized_tokens = e.cfg.max_new_tokens
+            # The engine's tokenizer and format, not the engine: cleanup frees the model.
+            link.cfg.prompt_tokens = functools.partial(
+                prompt_tokens, e.tokenizer, state_dim=link.cfg.profile.state_dim,
+                prompt_format=e.cfg.prompt_format)
+            link.cfg.max_token_len = e.model_cfg.max_token_len
             try:
                 link.cfg.check_engine(e.slots, e.action_dim, e.state_dim,
                                       e.conventions == 'lerobot')
+                why = link.cfg.check_prompt(link.cfg.p['prompt'])
+                if why:
+                    raise StartError(f'parameter prompt: {why}')
             except StartError as err:
                 if not self.fleet:
                     raise
@@ -357,7 +430,8 @@ class OxygenNode(LifecycleNode):
         else:
             w = e.weights
             weights = (f'{w["layout"]} checkpoint {cfg.p["checkpoint"]} ({e.conventions} '
-                       f'conventions, normalisation {w["normalization"] or "off"})')
+                       f'conventions, normalisation {w["normalization"] or "off"}; tokenizer '
+                       f'{e.tokenizer.source}, {e.tokenizer_from})')
         self.log.info(f'configured: {weights}; chunks of {e.action_horizon} x {e.action_dim} '
                       f'in {e.denoise_steps} steps; cameras -> slots {cfg.slots}; '
                       f'{cfg.p["robot"]} robot; activate to command it')
@@ -404,11 +478,14 @@ class OxygenNode(LifecycleNode):
         was_active = [link.deactivate(why) for link in self.links]
         self._stop.set()
         for link in self.links:
-            link.stop()
+            link.stop(HALT_S)
+        end = time.monotonic() + HALT_S
         for t in self._threads:
-            t.join(10.0)
+            t.join(max(0.0, end - time.monotonic()))
             if t.is_alive():
-                self.log.error(f'{t.name} thread still busy after 10 s; leaving it')
+                self.log.error(f'{t.name} thread still busy after {HALT_S:g} s: the next '
+                               'activation is refused until it ends')
+                self._stragglers.append(t)
         self._threads = []
         if any(was_active):
             # No frame runs now: open goals end with the reason and their rows are free.
@@ -425,10 +502,18 @@ class OxygenNode(LifecycleNode):
         cfg = self.cfg
         for link in self.links:
             link.configure()
+        from rclpy.clock import Clock, ClockType
+
         self.diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', 10)
         self._ros = [self.diag_pub,
-                     self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'], self._diagnose)]
+                     self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'], self._diagnose),
+                     self.create_timer(WATCH_S, self._watch,
+                                       clock=Clock(clock_type=ClockType.STEADY_TIME))]
         for link in self.links:
+            link.on_fatal = self.fail
+        for link in self.links:
+            link.asks.max_open = cfg.p['max_open_questions']
+            link.asks.timeout = cfg.p['question_timeout']
             link.asks.deactivate('configured, not yet activated')
         if self.fleet:
             self.ask_server = AskServers([AskServer(self, link.asks, f'~/{link.name}/ask')
@@ -446,48 +531,87 @@ class OxygenNode(LifecycleNode):
         sim = self.get_parameter('use_sim_time').value
         for link in self.links:
             link.start(sim)
-        run = self._run_fleet if self.fleet else self._run
-        self._threads = [threading.Thread(target=run, name='engine', daemon=True)]
+        step = self._fleet_pass if self.fleet else self._pass
+        self._threads = [threading.Thread(target=self._engine_thread, args=(self._stop, step),
+                                          name='engine', daemon=True)]
         for t in self._threads:
             t.start()
 
-    def _stopping(self) -> bool:
-        return self._stop.is_set() or not self.context.ok()
+    def _stopping(self, stop: threading.Event) -> bool:
+        return stop.is_set() or not self.context.ok()
 
-    def _run(self):
-        link = self.links[0]
-        while not self._stop.is_set():
-            ready, wait = link.poll(self.engine.slots)
-            if ready is None:
+    def _engine_thread(self, stop: threading.Event, step):
+        """Frames until ``stop``: ``step`` runs one pass and says how long to wait. What a
+        pass does not handle itself (a robot's frame, its inputs, its outputs) is the node's
+        own code failing: every robot holds and the node leaves commanding (fail)."""
+        state = {}
+        try:
+            while not stop.is_set():
+                wait = step(stop, state)
                 if wait:
-                    self._stop.wait(wait)
-                continue
-            try:
-                result = self.engine.step(
-                    ready.obs, narrate=ready.narrate,
-                    max_new_tokens=self.cfg.p['max_new_tokens'],
-                    on_actions=lambda a, t=ready.stamp, s=ready.state: link.on_actions(t, s, a),
-                    handover=ready.handover)
-            except Exception as e:  # one bad frame must not end the node
-                if self._stopping():
-                    break
+                    stop.wait(wait)
+        except Exception as e:
+            if not self._stopping(stop):
+                self.fail(f'engine thread failed: {type(e).__name__}: {e}',
+                          traceback.format_exc())
+
+    def _pass(self, stop, _state) -> float:
+        link = self.links[0]
+        try:
+            ready, wait = link.poll(self.engine.slots)
+        except Exception as e:
+            if self._stopping(stop):
+                return 0.0
+            link.fault(f'taking its inputs failed: {type(e).__name__}: {e}',
+                       traceback.format_exc())
+            return FAULT_WAIT_S
+        if ready is None:
+            return wait
+        try:
+            result = self.engine.step(
+                ready.obs, narrate=ready.narrate,
+                max_new_tokens=self.cfg.p['max_new_tokens'],
+                on_actions=lambda a, t=ready.stamp, s=ready.state: link.on_actions(t, s, a),
+                handover=ready.handover)
+        except Exception as e:  # one bad frame must not end the node
+            if not self._stopping(stop):
                 link.failed(str(e))
-                continue
+            return 0.0
+        self._finished(stop, link, ready, result)
+        self._deliver(stop, link, result.events)
+        return 0.0
+
+    def _finished(self, stop, link, ready, result):
+        """A robot's frame ended: count it. A failure here is the node's own, and holds that
+        robot."""
+        try:
             link.finished(ready, result)
-            unowned = self.asks.deliver(result.events)
-            if unowned:
-                self.reporter.report('ask:unowned', 'question events of requests '
-                                     f'{sorted({e.request_id for e in unowned})} that no goal '
-                                     'holds: not delivered')
-            try:
-                link.publish_events(result.events)
-            except Exception as e:  # publishing fails once ROS is shutting down
-                if self._stopping():
-                    break
+        except Exception as e:
+            if not self._stopping(stop):
+                link.fault(f'ending its frame failed: {type(e).__name__}: {e}',
+                           traceback.format_exc())
+
+    def _deliver(self, stop, link, events):
+        """A frame's events of one robot: question events to their goals, narration out."""
+        try:
+            unowned = link.asks.deliver(events)
+        except Exception as e:
+            if not self._stopping(stop):
+                link.fault(f'delivering answers failed: {type(e).__name__}: {e}',
+                           traceback.format_exc())
+            return
+        if unowned:
+            link.reporter.report('ask:unowned', 'question events of requests '
+                                 f'{sorted({ev.request_id for ev in unowned})} that no goal '
+                                 'holds: not delivered')
+        try:
+            link.publish_events(events)
+        except Exception as e:  # publishing fails once ROS is shutting down
+            if not self._stopping(stop):
                 link.reporter.report(problem_key('publish', str(e)),
                                      f'narration not sent: {e}')
 
-    def _run_fleet(self):
+    def _fleet_pass(self, stop, state) -> float:
         """Frames of several robots: the planner says which are due, each of those brings
         its newest observation, and one step_fleet serves them all. A robot that is stale,
         whose inputs are bad or whose frame fails holds; the others go on."""
@@ -495,67 +619,120 @@ class OxygenNode(LifecycleNode):
         from oxygen_ros.engine.fleet import Planner
 
         e = self.engine
-        # Due with half a chunk to spare, as the engine's frame budget leaves half a chunk
-        # for the next frame's latency: the estimate is of the model's part of a frame
-        # only, and this machine's load and the image conversion come on top.
-        spare = 0.5 * min(link.cfg.action_period for link in self.links) * e.action_horizon
-        planner = Planner(e.chunk_seconds, max(link.cfg.p['max_input_age']
-                                               for link in self.links),
-                          max_robots=len(self.links), margin=spare)
+        planner = state.get('planner')
+        if planner is None:
+            # Due with half a chunk to spare, as the engine's frame budget leaves half a
+            # chunk for the next frame's latency: the estimate is of the model's part of a
+            # frame only, and this machine's load and the image conversion come on top.
+            spare = 0.5 * min(link.cfg.action_period for link in self.links) * e.action_horizon
+            planner = state['planner'] = Planner(
+                e.chunk_seconds, max(link.cfg.p['max_input_age'] for link in self.links),
+                max_robots=len(self.links), margin=spare)
         by = self.by_name
-        while not self._stop.is_set():
-            now = self._now()
-            plan = planner.plan(now, {link.name: link.times(now) for link in self.links})
-            for link in self.links:
+        now = self._now()
+        times, faulted = {}, False
+        for link in self.links:
+            try:
+                times[link.name] = link.times(now)
+            except Exception as err:
+                faulted = True
+                link.fault(f'taking its inputs failed: {type(err).__name__}: {err}',
+                           traceback.format_exc())
+        plan = planner.plan(now, times)
+        ready = {}
+        for link in self.links:
+            try:
                 if link.name not in plan.take:
                     link.check(now)  # stale or missing inputs hold it
-            ready = {}
-            for name in plan.take:
-                r, _ = by[name].poll(e.slots)
-                if r is not None:
-                    ready[name] = r
-            if not ready:
-                # Nothing due: the plan's wait. Due robots whose images were not ready
-                # (poll checks staleness at its own pace): look again soon.
-                self._stop.wait(planner.look if plan.take else plan.wait)
+                    continue
+                r, _ = link.poll(e.slots)
+            except Exception as err:
+                faulted = True
+                link.fault(f'taking its inputs failed: {type(err).__name__}: {err}',
+                           traceback.format_exc())
                 continue
-            inputs = {n: RobotInput(r.obs, narrate=r.narrate,
-                                    max_new_tokens=self.cfg.p['max_new_tokens'],
-                                    handover=r.handover)
-                      for n, r in ready.items()}
+            if r is not None:
+                ready[link.name] = r
+        if not ready:
+            # Nothing due: the plan's wait. Due robots whose images were not ready (poll
+            # checks staleness at its own pace): look again soon.
+            wait = planner.look if plan.take else plan.wait
+            return max(wait, FAULT_WAIT_S) if faulted else wait
+        inputs = {n: RobotInput(r.obs, narrate=r.narrate,
+                                max_new_tokens=self.cfg.p['max_new_tokens'],
+                                handover=r.handover)
+                  for n, r in ready.items()}
 
-            def on_actions(name, actions, ready=ready):
-                r = ready[name]
-                by[name].on_actions(r.stamp, r.state, actions)
+        def on_actions(name, actions, ready=ready):
+            r = ready[name]
+            by[name].on_actions(r.stamp, r.state, actions)
 
-            try:
-                result = e.step_fleet(inputs, on_actions=on_actions)
-            except Exception as err:  # one bad frame must not end the node
-                if self._stopping():
-                    break
+        try:
+            result = e.step_fleet(inputs, on_actions=on_actions)
+        except Exception as err:  # one bad frame must not end the node
+            if not self._stopping(stop):
                 for n in ready:
                     by[n].failed(str(err))
-                continue
-            for n, why in result.errors.items():
-                by[n].failed(why)
-            for n, res in result.results.items():
-                by[n].finished(ready[n], res)
-            for n, events in result.events.items():
-                link = by.get(n)
-                if link is None:
-                    continue
-                unowned = link.asks.deliver(events)
-                if unowned:
-                    link.reporter.report('ask:unowned', 'question events of requests '
-                                         f'{sorted({ev.request_id for ev in unowned})} that '
-                                         'no goal holds: not delivered')
-                try:
-                    link.publish_events(events)
-                except Exception as err:  # publishing fails once ROS is shutting down
-                    if self._stopping():
-                        return
-                    link.reporter.report(problem_key('publish', str(err)),
-                                         f'narration not sent: {err}')
+            return 0.0
+        for n, why in result.errors.items():
+            by[n].failed(why)
+        for n in ready:
+            res = result.results.get(n)
+            if res is not None:
+                self._finished(stop, by[n], ready[n], res)
+        # Events of robots not in this frame too: their requests decode in every frame.
+        for n, events in result.events.items():
+            if n in by:
+                self._deliver(stop, by[n], events)
+        return 0.0
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def fail(self, why: str, detail: str = ''):
+        """The node cannot go on commanding (its own code failed where no robot's hold
+        covers it): every robot holds now, the log says why at ERROR, and the watchdog takes
+        the node through ErrorProcessing to unconfigured."""
+        first = self.fault is None
+        self.fault = self.fault or why
+        for link in self.links:
+            link.stop_commanding(f'fault: {why}')
+        if first:
+            self.log.error(f'fault: {why}; holding every robot and leaving commanding'
+                           + (f'\n{detail}' if detail else ''))
+
+    def _watch(self):
+        """Steady-clock watchdog: a fault, or a thread that ended while active, takes the
+        node through ErrorProcessing (on_deactivate returns ERROR)."""
+        try:
+            if self.state == 'inactive':
+                for link in self.links:
+                    link.heard()  # so that what is heard has its time when activating
+            if self.state != 'active':
+                return
+            if self.fault is None:
+                dead = [t.name for t in self._threads if not t.is_alive()]
+                dead += [f'{link.label()}control' for link in self.links if link.dead()]
+                if dead:
+                    self.fail(f'the {", ".join(dead)} thread ended while active')
+            if self.fault is not None:
+                self._diagnose()  # the ERROR goes out before cleanup ends diagnostics
+                self.trigger_deactivate()
+                return
+            # Questions whose frame does not come (the inputs are stale) end, saying so.
+            for link in self.links:
+                if link.asks.open_count:
+                    link.asks.expire(time.monotonic(), link.waiting_for())
+            # Another node commanding a robot: this one gives way (link.give_way); with no
+            # robot left to command, the node deactivates.
+            for link in self.links:
+                other = link.commanders()
+                if other:
+                    link.give_way(other)
+            if not any(link.active for link in self.links):
+                self.log.error('every robot is commanded by another node: deactivating')
+                self.trigger_deactivate()
+        except Exception as e:  # the watchdog itself must not end the executor
+            self.log.error(f'watchdog failed: {type(e).__name__}: {e}')
 
     # -- diagnostics -----------------------------------------------------------------------
 
@@ -571,9 +748,15 @@ class OxygenNode(LifecycleNode):
         return s
 
     def _diagnose(self):
-        arr = self._msgs['DiagnosticArray']()
-        arr.header.stamp = self.get_clock().now().to_msg()
-        arr.status = [self._status(link) for link in self.links]
+        try:
+            arr = self._msgs['DiagnosticArray']()
+            arr.header.stamp = self.get_clock().now().to_msg()
+            arr.status = [self._status(link) for link in self.links]
+        except Exception as e:  # an executor callback must not end the executor
+            for link in self.links:
+                link.fault(f'diagnostics failed: {type(e).__name__}: {e}',
+                           traceback.format_exc())
+            return
         try:
             self.diag_pub.publish(arr)
         except Exception:  # shutting down
@@ -588,12 +771,15 @@ class OxygenNode(LifecycleNode):
         st.hardware_id = self.cfg.p['device']
         with link.lock:
             active = link.active
-        holding, st.message = link.status(s)
-        st.level = DiagnosticStatus.WARN if holding else DiagnosticStatus.OK
+        level, st.message = link.status(s)
+        if self.fault:
+            level, st.message = 'ERROR', f'fault: {self.fault}'
+        st.level = getattr(DiagnosticStatus, level)
         st.values = [KeyValue(key='active', value=str(active))]
         for k, v in s.items():
             st.values.append(KeyValue(key=k, value=f'{v:.3f}' if isinstance(v, float) else str(v)))
         st.values.append(KeyValue(key='last_hold', value=link.hold_reason))
+        st.values.append(KeyValue(key='last_fault', value=self.fault or link.faulted))
         if link.reporter.recent:
             st.values.append(KeyValue(key='last_problem', value=link.reporter.recent[-1]))
         return st

@@ -20,21 +20,36 @@ import math
 import re
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import numpy as np
 from rclpy.callback_groups import CallbackGroup
+from rclpy.serialization import serialize_message
 
-from oxygen_ros.contract import Config, prompt_problem
+from oxygen_ros.clock import BACK_S, JumpWatch
+from oxygen_ros.contract import Config
 from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_rgb
 from oxygen_ros.images import Camera
 from oxygen_ros.limits import describe as describe_limits
 from oxygen_ros.playback import Command, Player, make_chunk, runs_out
 
+# How long a robot's diagnostics show ERROR after a fault of the node's own code (s): long
+# enough for a 1 Hz diagnostics listener to see it.
+FAULT_SHOWN_S = 5.0
+# A reading may move a limited joint this much faster than its speed limit, over the time
+# between two stamps plus this much stamp jitter, before it counts as a glitch.
+GLITCH_SLACK = 0.5
+GLITCH_SLACK_S = 0.02
+
 
 def problem_key(kind: str, text: str) -> str:
-    # Numbers (ages, counts) change every time; the kind of problem does not.
-    return kind + ':' + re.sub(r'[-\d.]+', '#', text)
+    """The Reporter key of a problem: its kind and the words of `text` that say what went
+    wrong. Numbers (ages, counts) change every time, and what a sender controls (an encoding,
+    a format string, payload bytes) is quoted or in brackets in the messages: the key ends
+    before the first of those, so a sender cannot make new keys."""
+    words = re.split(r"""['"(\[{<]""", re.sub(r'[-\d.]+', '#', text), maxsplit=1)[0]
+    return kind + ':' + words[:80].rstrip()
 
 
 def seconds(stamp) -> float:
@@ -61,15 +76,22 @@ class Polled(CallbackGroup):
         pass
 
 
-def take(sub) -> int:
-    """Run the callback of `sub` on every message waiting, oldest first; returns how many."""
+def take(sub, on_error=None) -> int:
+    """Run the callback of `sub` on every message waiting, oldest first; returns how many.
+    A callback that raises costs that message only: ``on_error(exception)`` is told, and the
+    messages after it are still taken (without ``on_error`` the exception propagates)."""
     n = 0
     while True:
         with sub.handle:
             got = sub.handle.take_message(sub.msg_type, sub.raw)
         if got is None:
             return n
-        sub.callback(got[0])
+        try:
+            sub.callback(got[0])
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(sub, e)
         n += 1
 
 
@@ -116,11 +138,32 @@ class RobotLink:
             reporter = Reporter(lambda m: self.log.warning(self.label() + m))
         self.reporter = reporter
         self.reporter.period = cfg.p['report_period']
+        # The node's own failures, said at ERROR (rate-limited like the problems).
+        self.errors = Reporter(lambda m: self.log.error(self.label() + m),
+                               cfg.p['report_period'])
         self.lock = threading.Lock()
         self._tick_lock = threading.Lock()
-        self._stop = threading.Event()  # ends the control thread
+        # Ends the control thread of the current activation (each gets its own: a thread
+        # that outlived stop() must not be restarted by the next start()).
+        self._stop = threading.Event()
         self.active = False  # chunks from the engine are played only while True
         self._thread = None
+        self._straggler = None  # a control thread that did not end within stop()'s wait
+        self._jumps = None  # JumpWatch on the system clock, None under simulated time
+        self._jump_handle = None  # rcl's jump callback under simulated time
+        self.on_fatal = None  # (why, detail): the node cannot hold this robot any more
+        self.faulted = ''  # the last fault of the node's own code, for diagnostics
+        self._faulted_at = -math.inf
+        self._tick_failures = 0
+        self._stats_lock = threading.Lock()
+        # Never two commanders: hashes of what this link published lately (time, hash), so
+        # a trajectory heard on its own topics that is not among them came from another node.
+        self._mine: collections.deque = collections.deque()
+        self._mine_set: dict[int, int] = {}
+        self._mine_lock = threading.Lock()
+        self.yielded = ''  # why this robot left commanding to another node
+        self._stale_since: float | None = None  # monotonic: inputs stale since
+        self._resume_at = 0.0  # monotonic: no chunk plays before this (listening)
         self._timer = None  # control under use_sim_time
         self._ros: list = []
         self.player = None
@@ -149,10 +192,19 @@ class RobotLink:
         self._readings = {s: JointReadings(w, [j for src, j in cfg.hold_sources.values()
                                                if src == s])
                           for s, w in cfg.wanted.items()}
-        self._last_target = np.full(cfg.profile.action_dim, np.nan)
+        # Per source, what a reading of a limited controller joint may be: (lowest, highest,
+        # speed); outside, or faster than the joint moves from its last reading, a glitch.
+        self._plausible: dict[str, dict[str, tuple[float, float, float]]] = {}
+        if cfg.limits is not None:
+            lim = cfg.limits
+            for i, (src, joint) in cfg.hold_sources.items():
+                self._plausible.setdefault(src, {})[joint] = (
+                    lim.lower[i] - lim.margin[i], lim.upper[i] + lim.margin[i], lim.speed[i])
+        self._sent_cmd = None  # (monotonic time, times, positions) of the last command sent
         self._setup_ros()
 
     def _setup_ros(self):
+        from rclpy.duration import Duration
         from rclpy.qos import QoSProfile, ReliabilityPolicy
         from sensor_msgs.msg import CompressedImage, Image, JointState
         from std_msgs.msg import Empty, String
@@ -168,7 +220,8 @@ class RobotLink:
         # control tick, and 50 deep holds 0.1 s of a 500 Hz stream should a tick run late.
         # A compressed image is decoded when taken (the engine thread, before a frame), so
         # only the newest of each camera is; one that does not decode is dropped there.
-        self._decoders = {cam: Camera() for cam, t in cfg.transports.items()
+        caps = cfg.p['max_image_pixels'], cfg.p['max_image_bytes']
+        self._decoders = {cam: Camera('auto', *caps) for cam, t in cfg.transports.items()
                           if t == 'compressed'}
         self.image_subs = [
             sub(CompressedImage, join(pre, topic), lambda m, c=cam: self._on_compressed(c, m),
@@ -185,9 +238,27 @@ class RobotLink:
                      sub(String, f'{priv}/prompt', self._on_prompt, 10),
                      sub(Empty, f'{priv}/narrate', self._on_narrate, 10)]
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        # A trajectory not delivered within the horizon (at configure) is over: DDS drops it
+        # (lifespan) instead of sending it late. Without that, a reliable writer resends
+        # what it sent during a network partition once the partition heals, and the
+        # controller (stamp 0: start now) would replay a stale hold or chunk, and another
+        # node would hear a commander that stopped long ago.
+        commands = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE,
+                              lifespan=Duration(seconds=cfg.p['max_command_horizon']))
         self.traj_pubs = {g.name: node.create_publisher(JointTrajectory, join(pre, g.topic),
-                                                        reliable)
+                                                        commands)
                           for g in cfg.groups}
+        # What else is said on those topics (raw bytes, compared with what this link sent);
+        # taken by the node's watchdog and before activation.
+        deep_raw = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        self._heard: dict[str, float] = {}  # topic -> when another node was last heard
+        self._watch_subs = []
+        for g in cfg.groups:
+            topic = node.resolve_topic_name(join(pre, g.topic))
+            self._watch_subs.append(sub(
+                JointTrajectory, topic, lambda m, t=topic: self._on_heard(t, m), deep_raw,
+                callback_group=polled, raw=True))
+        self._ros += self._watch_subs
         deep = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
         self.narration_pub = node.create_publisher(Narration, f'{priv}/narration', deep)
         self.text_pub = node.create_publisher(String, f'{priv}/narration/text', deep)
@@ -224,15 +295,33 @@ class RobotLink:
     def activate(self):
         with self.lock:
             self.active = True
+            self.yielded = ''
+        # While inactive the robot may have been moved: a hold starts from a reading again.
+        self.player.forget()
+        self._stale_since = None
+        self._resume_at = 0.0
 
     def start(self, sim_time: bool):
         """The control loop: a thread to absolute deadlines, or a timer on the node's clock
         under simulated time (so it follows /clock and stops while the simulation pauses)."""
-        self._stop.clear()
+        self._stop = threading.Event()
         self._checked = 0.0
+        self._tick_failures = 0
+        # Clock jumps: rcl reports those of simulated time; the system clock's are found by
+        # comparing it with the monotonic clock every tick.
+        forward = self.cfg.p['max_input_age']
+        self._jumps = None if sim_time else JumpWatch(forward)
+        if sim_time:
+            from rclpy.clock import JumpThreshold
+            from rclpy.duration import Duration
+
+            self._jump_handle = self.node.get_clock().create_jump_callback(
+                JumpThreshold(min_forward=Duration(seconds=forward),
+                              min_backward=Duration(seconds=-BACK_S), on_clock_change=True),
+                post_callback=self._on_jump)
         # What came while inactive, so the first frame is not judged on old readings.
         for sub in self._joint_subs:
-            take(sub)
+            take(sub, self._input_failed)
         if sim_time:
             from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 
@@ -242,7 +331,8 @@ class RobotLink:
                 callback_group=MutuallyExclusiveCallbackGroup())
         else:
             self._tick_clock = time.monotonic
-            self._thread = threading.Thread(target=self._control, name='control', daemon=True)
+            self._thread = threading.Thread(target=self._control, args=(self._stop,),
+                                            name='control', daemon=True)
             self._thread.start()
 
     def deactivate(self, why: str) -> bool:
@@ -255,18 +345,76 @@ class RobotLink:
             self.tick()  # publish the hold now, not at the next control period
         return was_active
 
-    def stop(self):
-        """End the control loop."""
+    def stop(self, wait: float = 10.0):
+        """End the control loop, waiting up to ``wait`` s for its thread."""
         self._stop.set()
+        if self._jump_handle is not None:
+            self._jump_handle.unregister()
+            self._jump_handle = None
         if self._timer is not None:
             self.node.destroy_timer(self._timer)
             self._timer = None
         if self._thread is not None:
-            self._thread.join(10.0)
+            self._thread.join(wait)
             if self._thread.is_alive():
-                self.log.error(f'{self.label()}control thread still busy after 10 s; '
-                               'leaving it')
+                self.log.error(f'{self.label()}control thread still busy after {wait:g} s: '
+                               'the next activation is refused until it ends')
+                self._straggler = self._thread
             self._thread = None
+
+    def busy(self) -> bool:
+        """Whether a control thread of an earlier activation still runs."""
+        if self._straggler is not None and not self._straggler.is_alive():
+            self._straggler = None
+        return self._straggler is not None
+
+    def dead(self) -> bool:
+        """Whether the control thread ended although nothing stopped it."""
+        t = self._thread
+        return t is not None and not t.is_alive() and not self._stop.is_set()
+
+    def fault(self, why: str, detail: str = ''):
+        """The node's own code failed on this robot (not its inputs, not the model): it
+        holds, the log says so at ERROR, and its diagnostics show ERROR for FAULT_SHOWN_S."""
+        with self._stats_lock:
+            self._stats['faults'] += 1
+        self.faulted = why
+        self._faulted_at = time.monotonic()
+        said = self.errors.report(problem_key('fault', why), f'{why}; holding')
+        if said and detail:
+            self.log.error(detail)
+        self.stop_commanding(f'fault: {why}')
+
+    def _on_jump(self, jump):
+        from rclpy.clock import ClockChange
+
+        change = jump.clock_change
+        if change in (ClockChange.ROS_TIME_ACTIVATED, ClockChange.ROS_TIME_DEACTIVATED):
+            what = 'ROS time ' + ('activated' if change == ClockChange.ROS_TIME_ACTIVATED
+                                  else 'deactivated')
+        else:
+            what = 'simulated clock'
+        self.clock_jumped(jump.delta.nanoseconds * 1e-9, what)
+
+    def clock_jumped(self, delta: float, what: str):
+        """The node's clock jumped by `delta` s: every held stamp is off by that much. The
+        chunk goes (a hold follows), and inputs count again from the first sample after the
+        jump, so neither an input that stopped nor a chunk can hide behind the jump."""
+        self.errors.report('clock:jump', f'the {what} jumped {delta:+.3f} s: dropping the '
+                           'chunk, holding, and waiting for inputs stamped after the jump')
+        with self._stats_lock:
+            self._stats['clock_jumps'] += 1
+        if self.player is not None:
+            self.player.shift(delta)
+        self.assembler.clear()
+        for r in self._readings.values():
+            r.clear()
+        self._checked = 0.0
+        self.stop_commanding(f'the {what} jumped {delta:+.3f} s')
+
+    def _input_failed(self, sub, e: Exception):
+        self.fault(f'handling a message on {sub.topic_name} failed (message dropped): '
+                   f'{type(e).__name__}: {e}', traceback.format_exc())
 
     def stop_commanding(self, why: str):
         if self.player is not None:
@@ -296,7 +444,7 @@ class RobotLink:
         return t
 
     def _on_image(self, cam: str, msg):
-        why = image_problem(msg)
+        why = image_problem(msg, self.cfg.p['max_image_pixels'], self.cfg.p['max_image_bytes'])
         if why:
             self._dropped(cam, why)
             return
@@ -316,6 +464,12 @@ class RobotLink:
             return
         self.assembler.put(cam, rgb, t)
 
+    def waiting_for(self) -> str:
+        """Why no frame can start now (required inputs missing, stale or stamped ahead), or
+        '': what a ~/ask question that timed out waited for."""
+        now, a = self.now(), self.assembler
+        return '; '.join(f'{n} {w}' for n in a.required if (w := a.unusable(n, now)))
+
     def _dropped(self, cam: str, why: str):
         self.reporter.report(problem_key(f'image:{cam}', why),
                              f'camera {cam}: {why}; image dropped, the last good one is kept')
@@ -332,7 +486,7 @@ class RobotLink:
         got = {n: x for n, x in zip(names, positions, strict=True) if n in readings.keep}
         bad = sorted(n for n, x in got.items() if not math.isfinite(x))
         if bad:
-            self.reporter.report(f'joints:{src}:nonfinite:{bad}',
+            self.reporter.report(f'joints:{src}:nonfinite',
                                  f'{topic}: joints {", ".join(bad)} read NaN/inf; message '
                                  'dropped, the last good readings are kept')
             return
@@ -344,6 +498,11 @@ class RobotLink:
         t = self._stamp(msg.header, topic)
         if t is None:
             return
+        glitches = self._glitches(src, got, t)
+        if glitches:
+            self.reporter.report(f'glitch:{src}', f'{topic}: {"; ".join(glitches)}: a glitch, '
+                                 'message dropped, the last good readings are kept')
+            return
         merged, oldest = readings.update(got, t)
         limit = self.cfg.p['max_input_age']
         if t - oldest > limit:
@@ -353,15 +512,44 @@ class RobotLink:
                                  f'{limit * 1e3:.0f} ms): stale')
         self.assembler.put(f'joints:{src}', merged, oldest)
 
+    def _glitches(self, src: str, got: dict, t: float) -> list[str]:
+        """What is implausible in a reading of limited joints at `t`: beyond the range by more
+        than the hold margin, or a move from the last reading faster than the joint's speed
+        limit allows (with GLITCH_SLACK_S of stamp jitter)."""
+        out = []
+        readings = self._readings[src]
+        for joint, (lo, hi, speed) in self._plausible.get(src, {}).items():
+            x = got.get(joint)
+            if x is None:
+                continue
+            if not lo <= x <= hi:
+                out.append(f'{joint} read {x:.6g}, beyond its range by more than the hold '
+                           'margin')
+                continue
+            last = readings.last(joint)
+            if last is not None and math.isfinite(speed):
+                dx, dt = abs(x - last[0]), abs(t - last[1])
+                if dx > speed * (dt + GLITCH_SLACK_S) * (1 + GLITCH_SLACK):
+                    out.append(f'{joint} moved {dx:.4g} in {dt * 1e3:.0f} ms, faster than '
+                               f'its {speed:.4g}/s')
+        return out
+
     def set_prompt(self, text: str):
         with self.lock:
             self.prompt = text.strip()
             self.narrate_now = True
 
     def _on_prompt(self, msg):
-        why = prompt_problem(msg.data, self.cfg.p['max_prompt_chars'])
+        try:
+            self._prompt(msg)
+        except Exception as e:  # an executor callback must not end the executor
+            self.fault(f'{self.private}/prompt failed: {type(e).__name__}: {e}',
+                       traceback.format_exc())
+
+    def _prompt(self, msg):
+        why = self.cfg.check_prompt(msg.data)
         if why:
-            self.reporter.report(f'prompt:{why[:12]}', f'{self.private}/prompt: {why}; '
+            self.reporter.report(problem_key('prompt', why), f'{self.private}/prompt: {why}; '
                                  f'keeping {self.prompt!r}')
             return
         self.set_prompt(msg.data)
@@ -369,7 +557,7 @@ class RobotLink:
 
     def _on_narrate(self, _msg):
         with self.lock:
-            self.narrate_now = True
+            self.narrate_now = True  # nothing here can fail
 
     # -- frames ----------------------------------------------------------------------------
 
@@ -378,7 +566,7 @@ class RobotLink:
         None and how long to wait before asking again (stale or missing inputs hold the
         robot and are reported). ``slots``: the engine's image slots."""
         for sub in self.image_subs:
-            take(sub)
+            take(sub, self._input_failed)
         now = self.now()
         # Staleness is checked every 50 ms even when nothing new came.
         if not self.assembler.fresh() and time.monotonic() - self._checked < 0.05:
@@ -389,7 +577,8 @@ class RobotLink:
             if why.startswith('no new input'):
                 return None, 0.002
             self.reporter.report(problem_key('frame', why), f'no frame: {why}')
-            if 'stale' in why or 'missing' in why:
+            if 'stale' in why or 'missing' in why or 'ahead of the clock' in why:
+                self._inputs_stale()
                 self.stop_commanding(f'inputs: {why}')
                 # Until something comes back, checking every 50 ms is enough.
                 return None, 0.05
@@ -399,6 +588,7 @@ class RobotLink:
         except ValueError as e:
             self.reporter.report(problem_key('frame', str(e)), f'no frame: {e}')
             return None, 0.0
+        self._inputs_fresh()
         for note in frame.notes:
             self.reporter.report(problem_key('mask', note), f'camera {note} (masked)')
         self.frames += 1
@@ -465,7 +655,7 @@ class RobotLink:
         from oxygen_ros.engine.fleet import RobotTimes
 
         for sub in self.image_subs:
-            take(sub)
+            take(sub, self._input_failed)
         chunk = self.player.chunk if self.player is not None else None
         end = None if chunk is None else runs_out(chunk, self.player.play_steps)
         stamp = None
@@ -478,16 +668,108 @@ class RobotLink:
 
     def stale(self, now: float) -> str | None:
         """Which required inputs are stale or missing now (Assembler's words), or None."""
-        limit = self.cfg.p['max_input_age']
-        problems = []
-        for name in self.assembler.required:
-            s = self.assembler.latest(name)
-            if s is None:
-                problems.append(f'{name} missing (nothing received yet)')
-            elif now - s.stamp > limit:
-                problems.append(f'{name} stale ({(now - s.stamp) * 1e3:.0f} ms old, limit '
-                                f'{limit * 1e3:.0f} ms)')
+        problems = [f'{name} {why}' for name in self.assembler.required
+                    if (why := self.assembler.unusable(name, now))]
         return '; '.join(problems) or None
+
+    def _inputs_stale(self):
+        if self._stale_since is None:
+            self._stale_since = time.monotonic()
+
+    def _inputs_fresh(self):
+        """Inputs are back: after a long silence (a network partition looks like one) the
+        robot may have been taken over by another node meanwhile, which this node hears only
+        once DDS has rediscovered it, so it listens before commanding again."""
+        since, self._stale_since = self._stale_since, None
+        check = self.cfg.p['commander_check']
+        if since is not None and check and time.monotonic() - since >= check:
+            self._resume_at = time.monotonic() + check
+
+    # -- never two commanders --------------------------------------------------------------
+
+    MINE_S = 5.0  # how long what this link sent is remembered, s
+
+    def _sent_bytes(self, data: bytes):
+        now = time.monotonic()
+        h = hash(data)
+        with self._mine_lock:
+            self._mine.append((now, h))
+            self._mine_set[h] = self._mine_set.get(h, 0) + 1
+            while self._mine and self._mine[0][0] < now - self.MINE_S:
+                _, old = self._mine.popleft()
+                left = self._mine_set[old] - 1
+                if left:
+                    self._mine_set[old] = left
+                else:
+                    del self._mine_set[old]
+
+    def _on_heard(self, topic: str, data: bytes):
+        with self._mine_lock:
+            if hash(data) not in self._mine_set:
+                self._heard[topic] = time.monotonic()
+
+    HEARD_S = 1.0  # another node heard within this long counts as commanding, s
+
+    def heard(self) -> list[str]:
+        """The topics of this robot on which another node sent a trajectory within HEARD_S
+        (what waits is taken now: the node's watchdog does so every WATCH_S)."""
+        for sub in self._watch_subs:
+            take(sub, self._input_failed)
+        now = time.monotonic()
+        return sorted(t for t, at in self._heard.items() if now - at < self.HEARD_S)
+
+    def others(self, topics=None) -> dict[str, list[str]]:
+        """topic -> the other nodes with a publisher on it (the ROS graph)."""
+        me = (self.node.get_name(), self.node.get_namespace())
+        out = {}
+        for topic in topics or self.topics():
+            names = sorted({f'{i.node_namespace.rstrip("/")}/{i.node_name}'
+                            for i in self.node.get_publishers_info_by_topic(topic)
+                            if (i.node_name, i.node_namespace) != me})
+            if names:
+                out[topic] = names
+        return out
+
+    def commanders(self, listen: float = 0.0) -> str | None:
+        """Another node commanding this robot: what was heard, listening up to ``listen`` s
+        where another node has a publisher on a trajectory topic; None if nobody else."""
+        heard = self.heard()
+        if not heard and listen and self.others():
+            end = time.monotonic() + listen
+            while not heard and time.monotonic() < end:
+                time.sleep(0.05)
+                heard = self.heard()
+        if not heard:
+            return None
+        others = self.others(heard)
+        who = '; '.join(f'{t} <- {", ".join(others.get(t) or ["an unknown node"])}'
+                        for t in heard)
+        return f'another node commands this robot: {who}'
+
+    def commanding(self) -> bool:
+        """Whether this link sent a command (not a hold) within max_command_horizon."""
+        return bool(self._publishes) and (
+            time.monotonic() - self._publishes[-1] < self.cfg.p['max_command_horizon'])
+
+    def give_way(self, why: str) -> bool:
+        """Leave commanding to the other node. A robot this link was commanding gets one
+        hold first (both stop: the robot rests); one it only held is left alone, as the
+        other node commands it now. True when it was active."""
+        hold = self.commanding()
+        with self.lock:
+            was, self.active = self.active, False
+            self.yielded = why
+        if not was:
+            return False
+        self.errors.report('commanders', f'{why}: ' + (
+            'holding and leaving commanding' if hold else
+            'leaving commanding to it (this node was not commanding)'))
+        if hold:
+            self.stop_commanding(f'two commanders: {why}')
+            self.tick()
+        elif self.player is not None:
+            self.player.drop()
+        return True
 
     def check(self, now: float):
         """Between this robot's frames (a fleet's other robots run): stale or missing
@@ -498,6 +780,7 @@ class RobotLink:
         why = self.stale(now)
         if why:
             self.reporter.report(problem_key('frame', why), f'no frame: {why}')
+            self._inputs_stale()
             self.stop_commanding(f'inputs: {why}')
 
     def on_actions(self, stamp: float, state: np.ndarray, actions: np.ndarray):
@@ -524,9 +807,15 @@ class RobotLink:
         # has the chunk a trajectory came from.
         if self.predicted_pub is not None:
             self._publish_predicted(chunk)
+        listening = time.monotonic() < self._resume_at
         with self.lock:
-            if self.active:
+            if self.active and not listening:
                 self.player.play(chunk)
+        if listening:
+            self.reporter.report('commanders:listening', 'inputs are back after '
+                                 f'{self.cfg.p["commander_check"]:g} s or more: listening '
+                                 'for another commander on '
+                                 f'{", ".join(self.topics())} before commanding again')
         self._stats['chunks'] += 1
         self._latency.append(self.now() - stamp)
         self._chunk_times.append(time.monotonic())
@@ -574,14 +863,14 @@ class RobotLink:
 
     # -- control ---------------------------------------------------------------------------
 
-    def _control(self):
+    def _control(self, stop: threading.Event):
         period = 1.0 / self.cfg.p['control_rate_hz']
         deadline = time.monotonic()
-        while not self.stopping():
+        while not stop.is_set() and self.node.context.ok():
             deadline += period
             delay = deadline - time.monotonic()
             if delay > 0:
-                if self._stop.wait(delay):
+                if stop.wait(delay):
                     break
             else:
                 # Late by a period or more: skip the lost ticks instead of bursting to catch up.
@@ -595,51 +884,91 @@ class RobotLink:
         except ValueError:
             return None
 
-    def _hold_at(self) -> np.ndarray:
-        """Per action index, the last measured position of the joint it drives; where the
-        controller's joint is not measured, the last commanded position."""
-        out = self._last_target.copy()
+    def _hold_at(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per action index, a fresh reading of the joint it drives (within max_input_age
+        by its own stamp; glitches never get here) and its stamp; NaN where there is none."""
+        dim = self.cfg.profile.action_dim
+        out, stamps = np.full(dim, np.nan), np.full(dim, np.nan)
+        now, p = self.now(), self.cfg.p
         for i, (src, joint) in self.cfg.hold_sources.items():
-            x = self._readings[src].get(joint)
-            if x is not None:
-                out[i] = x
-            else:
-                self.reporter.report(f'hold:unmeasured:{src}/{joint}', f'no measured position '
-                                     f'of {joint} on {self.cfg.joint_topics[src]}: the last '
-                                     'command stands in for it')
-        return out
+            got = self._readings[src].fresh(joint, now, p['max_input_age'],
+                                            p['max_future_stamp'])
+            if got is not None:
+                out[i], stamps[i] = got
+        return out, stamps
 
     def tick(self):
+        """One control period: what the player says goes out. Never raises: a failure holds
+        the robot (the next tick publishes the hold), and a second in a row, when even the
+        hold cannot go out, is the node's fault (on_fatal)."""
         with self._tick_lock:
-            for sub in self._joint_subs:
-                take(sub)
-            t = self._tick_clock()
-            period = 1.0 / self.cfg.p['control_rate_hz']
-            if self._ticks:
-                gap = t - self._ticks[-1]
-                self._gaps.append(gap)
-                if gap > 1.5 * period:
-                    self._stats['missed_ticks'] += int(round(gap / period)) - 1
-            self._ticks.append(t)
             try:
-                cmd = self.player.tick(self.now(), self._measured, self._hold_at)
-            except ValueError as e:
-                self.reporter.report(problem_key('playback', str(e)), f'playback failed: {e}')
-                self.stop_commanding(f'playback failure: {e}')
+                self._tick()
+            except Exception as e:
+                if self.stopping():
+                    return
+                self._tick_failures += 1
+                why = f'control tick failed: {type(e).__name__}: {e}'
+                self.fault(why, traceback.format_exc())
+                try:
+                    self._emergency_hold(why)
+                except Exception as err:
+                    self.errors.report('fault:no-hold', f'cannot hold: {err}')
+                if self._tick_failures >= 2 and self.on_fatal is not None:
+                    self.on_fatal(f'{self.label()}{why} (twice in a row)', '')
+            else:
+                self._tick_failures = 0
+
+    def _emergency_hold(self, why: str):
+        """A hold that needs nothing the failed tick may have broken (the player, the
+        readings): each joint where the last command sent has brought it by now (linear
+        between its points), at rest one control period ahead. Nothing sent yet: nothing
+        to replace."""
+        sent = self._sent_cmd
+        if sent is None:
+            return
+        t0, times, pos = sent
+        dt = time.monotonic() - t0
+        at = np.array([np.interp(dt, times, pos[:, i]) for i in range(pos.shape[1])])
+        self._publish(Command(np.array([1.0 / self.cfg.p['control_rate_hz']]), at[None],
+                              np.zeros((1, len(at))), hold=f'fault: {why}'))
+
+    def _tick(self):
+        if self._jumps is not None:
+            before = time.monotonic()
+            now = self.now()
+            jump = self._jumps.check(now, before, time.monotonic())
+            if jump is not None:
+                self.clock_jumped(jump, 'system clock')
+        for sub in self._joint_subs:
+            take(sub, self._input_failed)
+        t = self._tick_clock()
+        period = 1.0 / self.cfg.p['control_rate_hz']
+        if self._ticks:
+            gap = t - self._ticks[-1]
+            self._gaps.append(gap)
+            if gap > 1.5 * period:
+                self._stats['missed_ticks'] += int(round(gap / period)) - 1
+        self._ticks.append(t)
+        try:
+            cmd = self.player.tick(self.now(), self._measured, self._hold_at)
+        except ValueError as e:
+            self.reporter.report(problem_key('playback', str(e)), f'playback failed: {e}')
+            self.stop_commanding(f'playback failure: {e}')
+            return
+        if cmd is None:
+            with self.lock:
+                if self.active:
+                    self._stats['hold_ticks'] += 1
+            return
+        for f in cmd.findings:
+            self.reporter.report(f'limits:{f.kind}:{f.joint}', f.text)
+        try:
+            self._publish(cmd)
+        except Exception as e:  # publishing fails once ROS is shutting down
+            if self.stopping():
                 return
-            if cmd is None:
-                with self.lock:
-                    if self.active:
-                        self._stats['hold_ticks'] += 1
-                return
-            for f in cmd.findings:
-                self.reporter.report(f'limits:{f.kind}:{f.joint}', f.text)
-            try:
-                self._publish(cmd)
-            except Exception as e:  # publishing fails once ROS is shutting down
-                if not self.stopping():
-                    self.reporter.report(problem_key('publish', str(e)),
-                                         f'trajectory not sent: {e}')
+            raise RuntimeError(f'trajectory not sent: {e}') from e
 
     def _publish(self, cmd: Command):
         from trajectory_msgs.msg import JointTrajectoryPoint
@@ -649,8 +978,9 @@ class RobotLink:
         for g in self.cfg.groups:
             pos = cmd.positions[:, g.indices]
             if not np.all(np.isfinite(pos)):
-                self.reporter.report(f'hold:none:{g.name}', f'cannot hold {g.name}: no '
-                                     'measured or commanded position yet')
+                self.reporter.report(f'hold:none:{g.name}', f'cannot hold {g.name}: nothing '
+                                     'was sent to it yet and its joints have no fresh '
+                                     'reading; no target published')
                 continue
             vel = cmd.velocities[:, g.indices]
             msg = JointTrajectory()
@@ -659,13 +989,15 @@ class RobotLink:
             msg.points = [JointTrajectoryPoint(positions=p.tolist(), velocities=v.tolist(),
                                                time_from_start=d)
                           for p, v, d in zip(pos, vel, durations, strict=True)]
-            self.traj_pubs[g.name].publish(msg)
+            data = serialize_message(msg)
+            self._sent_bytes(data)
+            self.traj_pubs[g.name].publish(data)
+        self._sent_cmd = (time.monotonic(), cmd.times.copy(), cmd.positions.copy())
         if cmd.hold:
             self._stats['holds'] += 1
             self.hold_reason = cmd.hold
             self.reporter.report(problem_key('holding', cmd.hold), f'holding: {cmd.hold}')
         else:
-            self._last_target = cmd.positions[0].copy()
             self._stats['published'] += 1
             self._stats['clamped_commands'] += int(cmd.clamped)
             self._publishes.append(time.monotonic())
@@ -674,7 +1006,8 @@ class RobotLink:
 
     def reset_stats(self):
         self._stats = dict(chunks=0, frames=0, published=0, hold_ticks=0, missed_ticks=0,
-                           narration_requests=0, holds=0, rtc_delay=0, clamped_commands=0)
+                           narration_requests=0, holds=0, rtc_delay=0, clamped_commands=0,
+                           faults=0, clock_jumps=0)
         self.hold_reason = ''
         self._checked = 0.0
         self._ticks = collections.deque(maxlen=2000)  # tick times
@@ -711,16 +1044,25 @@ class RobotLink:
                     future_stamps=r.count('future:'), rejected_prompts=r.count('prompt:'),
                     skipped_frames=r.count('frame:'), masked_cameras=r.count('mask:'),
                     failed_frames=r.count('engine:') + r.count('actions:'),
-                    limit_holds=r.count('holding:joint limits'))
+                    limit_holds=r.count('holding:joint limits'),
+                    joint_glitches=r.count('glitch:'),
+                    # Distinct problems kept for the rate limit: bounded, whatever is sent.
+                    problem_kinds=len(r.totals) + len(self.errors.totals))
 
-    def status(self, s: dict) -> tuple[bool, str]:
-        """(holding, message) for this robot's DiagnosticStatus, from its summary ``s``."""
+    def status(self, s: dict) -> tuple[str, str]:
+        """(level, message) for this robot's DiagnosticStatus, from its summary ``s``: 'ERROR'
+        for FAULT_SHOWN_S after a fault of the node's own, 'WARN' while it holds, else
+        'OK'."""
         with self.lock:
             active = self.active
+        if time.monotonic() - self._faulted_at < FAULT_SHOWN_S:
+            return 'ERROR', f'fault: {self.faulted}'
         holding = s['control_publish_hz'] < 0.5 * self.cfg.p['control_rate_hz']
+        if self.yielded:
+            return 'WARN', f'not commanding: {self.yielded}'
         if not active:
-            return False, 'inactive: not commanding'
+            return 'OK', 'inactive: not commanding'
         if holding:
-            return True, f'holding: {self.hold_reason or "no fresh actions"}'
-        return False, (f'{s["control_publish_hz"]:.0f} Hz commands, '
-                       f'{s["frame_ms_p50"]:.0f} ms frames')
+            return 'WARN', f'holding: {self.hold_reason or "no fresh actions"}'
+        return 'OK', (f'{s["control_publish_hz"]:.0f} Hz commands, '
+                      f'{s["frame_ms_p50"]:.0f} ms frames')

@@ -51,6 +51,8 @@ from oxygen_ros.engine import Engine, EngineConfig, Observation  # noqa: E402
 from oxygen_ros.model.checkpoint import save_checkpoint  # noqa: E402
 from oxygen_ros.model.config import load_config  # noqa: E402
 from oxygen_ros.model.pi05 import Pi05  # noqa: E402
+from oxygen_ros.model.tokenizer import Tokenizer  # noqa: E402
+from oxygen_ros.playback import RECENT_S  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tools'))
 from node_load import jtc_problems  # noqa: E402
@@ -162,11 +164,23 @@ def write_policy(root: Path, model, waist_q01=(0.0, 0.0)):
     return save_checkpoint(model, root, stats, asset_id='trossen')
 
 
+def builtin_vocab(model: Pi05) -> Pi05:
+    """`model` with its embedding cut to the built-in tokenizer's rows, so that a checkpoint
+    of it runs without a tokenizer of its own. It computes what it did: the prompt ids and
+    the tokens sampled lie below them either way."""
+    n = Tokenizer.default().vocab_size
+    with torch.device('meta'):
+        out = Pi05(model.cfg.replace(vocab=n))
+    state = dict(model.state_dict(), **{'embed.weight': model.embed.weight[:n].clone()})
+    out.load_state_dict(state, strict=True, assign=True)
+    return out.to_inference('cpu')
+
+
 @pytest.fixture(scope='module')
 def policy(tmp_path_factory):
     cfg = load_config('tiny', action_dim=32, action_horizon=HORIZON, max_token_len=96)
     torch.manual_seed(0)
-    model = Pi05(cfg).to_inference('cpu')
+    model = builtin_vocab(Pi05(cfg).to_inference('cpu'))
     params = dict(model.named_parameters())
     queries = cfg.expert.heads * cfg.expert.head_dim
     with torch.no_grad():
@@ -290,9 +304,21 @@ def measured(group):
     return np.array(pose.arm if group.endswith('arm') else [pose.gripper])
 
 
+HOLD_AFTER = 1.0 / 70.0
+
+
 def is_hold(m, group):
-    return (len(m.points) == 1 and not any(m.points[0].velocities)
-            and np.array_equal(m.points[0].positions, measured(group)))
+    """One point at rest one control period ahead, near the measured pose: where the node
+    estimates the arm to be, a recent reading moved on along the setpoint, for this arm
+    that never moves at most RECENT_S of motion at the speed limit away."""
+    if len(m.points) != 1 or any(m.points[0].velocities):
+        return False
+    if abs(seconds(m.points[0].time_from_start) - HOLD_AFTER) > 1e-6:
+        return False
+    limits = aloha_params()['joint_limits'][group]
+    speed = np.array([limits[j]['velocity'] for j in CONTROLLERS[group][1]])
+    return bool(np.all(np.abs(np.array(m.points[0].positions) - measured(group))
+                       <= speed * (RECENT_S + 0.02) + 1e-12))
 
 
 def test_every_controller_gets_openpi_targets(robot, policy):
@@ -316,17 +342,25 @@ def test_every_controller_gets_openpi_targets(robot, policy):
         for m in received:
             assert list(m.joint_names) == joints, m
             assert jtc_problems(m, joints, 0.0) == [], (g, jtc_problems(m, joints, 0.0))
-            # A hold (a chunk used up) is at the measured pose: it passes the same checks.
+            # A hold (a chunk used up) is where the setpoint is, within reach of the
+            # measured pose: it passes the same checks but the one of the way to the target.
+            hold = is_hold(m, g)
             prev, t0 = start, 0.0
             for pt in m.points:
                 x, t = np.array(pt.positions), seconds(pt.time_from_start)
                 assert np.all((lower <= x) & (x <= upper)), (g, x)
-                # Reachable at the joint's speed from the measured pose, point by point
-                # (time_from_start is cut to whole nanoseconds).
-                assert np.all(np.abs(x - prev) <= speed * (t - t0 + 2e-9) + 1e-12), (g, x, prev)
+                # Reachable at the joint's speed from where the node estimates the arm
+                # to be, point by point (time_from_start is cut to whole nanoseconds): a
+                # recent reading of it moved on along the setpoint, which for this arm
+                # that never moves is up to RECENT_S of motion beyond the measured pose.
+                drift = speed * (RECENT_S + 0.02)
+                ahead = drift if t0 == 0.0 else 0.0
+                assert np.all(np.abs(x - prev) <= speed * (t - t0 + 2e-9) + ahead + 1e-12), (
+                    g, x, prev)
                 # On the way from the measured pose to the target, never past it (but for
                 # the noise in the target).
-                assert np.all((lo - TOL <= x) & (x <= hi + TOL)), (g, x, start, target)
+                assert hold or np.all((lo - TOL - drift <= x) & (x <= hi + TOL + drift)), (
+                    g, x, start, target)
                 if t >= SETTLED:
                     np.testing.assert_allclose(x, target, rtol=0, atol=TOL, err_msg=g)
                     settled[g] += 1
@@ -352,8 +386,7 @@ def test_deactivate_holds_every_controller_at_the_measured_pose(robot):
         got = after(g)
         assert is_hold(got[-1], g), g
         assert sum(is_hold(m, g) for m in got) == 1, (g, [len(m.points) for m in got])
-        # Exactly the measured pose at rest; the gripper at its servo angle, not at the
-        # finger position (m) the state reads.
+        # Near the measured pose at rest (is_hold); the gripper near its servo angle, not
+        # at the finger position (m) the state reads.
         hold = got[-1].points[0]
-        assert list(hold.positions) == measured(g).tolist(), g
         assert list(hold.velocities) == [0.0] * len(hold.positions), g

@@ -47,9 +47,11 @@ Ask = action_mod.Ask
 ROBOTS = ('left', 'right')
 AGE = 0.5  # max_input_age
 LAG = {'left': 0.0, 'right': 0.005}  # where on its 10 ms grid each robot stamps
-# The node's parameters are every robot's defaults; right has a prompt of its own.
+# The node's parameters are every robot's defaults; right has a prompt of its own, and
+# takes shorter ones than left.
 FLEET = dict(PARAMS, robots=list(ROBOTS), narration_every_n_frames=0, max_requests=4,
-             max_new_tokens=8, max_input_age=AGE, right={'prompt': 'stack the blocks'})
+             max_new_tokens=8, max_input_age=AGE,
+             right={'prompt': 'stack the blocks', 'max_prompt_chars': 20})
 
 
 def seconds(t):
@@ -206,6 +208,19 @@ def test_each_robot_has_its_own_parameters(fleet):
     # Not live: never declared beyond what the params file gave, and refused.
     r = fleet.set_param('left.max_input_age', 0.3)
     assert not r.successful, r.reason
+
+
+def test_a_node_parameter_must_fit_every_robot(fleet):
+    # The node's prompt is every robot's: left takes 25 characters, right at most 20.
+    prompt = 'put the cup into the bowl'
+    r = fleet.set_param('prompt', prompt)
+    assert not r.successful, r
+    assert r.reason == 'robot right: prompt: prompt of 25 characters is over the limit of 20', \
+        r.reason
+    assert fleet.get_param('prompt') == 'pick up the cup'
+    assert fleet.get_param('right.prompt') != prompt
+    assert fleet.set_param('left.prompt', prompt).successful  # left's own is fine
+    assert fleet.set_param('left.prompt', 'pick up the cup').successful
 
 
 def test_bad_images_of_one_robot_hold_only_that_robot(fleet):

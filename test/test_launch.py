@@ -45,7 +45,10 @@ def tiny_sim_file(folder) -> pathlib.Path:
     file the launch tests' nodes start fast on."""
     share = pathlib.Path(ament.get_package_share_directory('oxygen_ros'))
     sim = yaml.safe_load((share / 'config' / 'sim.yaml').read_text())
-    sim['/**']['ros__parameters'].update(model='tiny', image_width=64, image_height=48)
+    # The subtask format: a pi05 prompt with sim.yaml's 8-d state does not fit the tiny
+    # model's 24 prompt tokens.
+    sim['/**']['ros__parameters'].update(model='tiny', prompt_format='subtask', image_width=64,
+                                         image_height=48)
     path = pathlib.Path(folder) / 'sim_tiny.yaml'
     path.write_text(yaml.safe_dump(sim))
     return path
@@ -58,11 +61,12 @@ def env_for(domain):
 
 
 def tiny_params(tmp_path):
-    # The sim setup on the tiny model, so the test starts fast.
+    # The sim setup on the tiny model, so the test starts fast (in the subtask format, as
+    # tiny_sim_file).
     path = tmp_path / 'tiny.yaml'
     path.write_text(yaml.safe_dump({'/**': {'ros__parameters': {
-        'model': 'tiny', 'device': 'cpu', 'threads': 1, 'image_width': 64,
-        'image_height': 48}}}))
+        'model': 'tiny', 'prompt_format': 'subtask', 'device': 'cpu', 'threads': 1,
+        'image_width': 64, 'image_height': 48}}}))
     return path
 
 
@@ -89,7 +93,7 @@ def test_launch_description_declares_the_arguments():
     spec.loader.exec_module(mod)
     ld = mod.generate_launch_description()
     declared = {a.name for a in ld.get_launch_arguments()}
-    assert declared == {'robot', 'params_file', 'checkpoint', 'device', 'autostart',
+    assert declared == {'robot', 'params_file', 'checkpoint', 'tokenizer', 'device', 'autostart',
                         'namespace', 'use_sim_time', 'log_level', 'sim'}
 
 

@@ -60,6 +60,9 @@ PARAMS = {
     # Short, so a problem repeated by a later test is said again.
     'report_period': 1.0,
     'prompt': 'pick up the cup',
+    # The tiny model's 24 prompt tokens hold no pi05 prompt with an 8-d state (its state
+    # alone takes 32): the node refuses it.
+    'prompt_format': 'subtask',
 }
 
 
@@ -122,10 +125,12 @@ def rate(received, seconds):
     return (len(received) - start) / seconds
 
 
-# Liveness: within some WINDOW seconds at least half the trajectories control_rate_hz gives
-# over it must arrive. A stalled node, or a control loop of a few Hz, fails; the exact rate
-# and its gaps are tools/node_load.py's.
+# Liveness: within some WINDOW seconds at least LIVE (90%) of the trajectories
+# control_rate_hz gives over it must arrive. A stalled node, a control loop at a fraction of
+# its rate or one that keeps holding fails; the exact rate and its gaps are
+# tools/node_load.py's.
 WINDOW = 2.0
+LIVE = 0.9
 
 
 def arrival(entry):
@@ -133,20 +138,99 @@ def arrival(entry):
     return entry[0] if isinstance(entry, tuple) else entry
 
 
-def keeps_commanding(received, rate_hz, alive=lambda: True, window=WINDOW, timeout=30.0):
-    """Whether, after the call, `received` gets at least half of `rate_hz` x `window`
+def keeps_commanding(received, rate_hz, alive=lambda: True, window=WINDOW, timeout=30.0,
+                     live=LIVE):
+    """Whether, after the call, `received` gets at least `live` of `rate_hz` x `window`
     trajectories within some `window` seconds, before `timeout`. Counted over a sliding
     window, so a node still recovering from a hold when the call is made passes once it
     commands steadily; arrivals bunched by a slow receiver cannot make up a slow sender,
     which never gets the count together."""
     start = len(received)
-    want = math.ceil(0.5 * rate_hz * window)
+    want = math.ceil(live * rate_hz * window)
 
     def met():
         t = np.array([arrival(x) for x in list(received)[start:]])
         return len(t) >= want and bool(np.any(t[want - 1:] - t[:len(t) - want + 1] <= window))
 
     return wait_for(lambda: not alive() or met(), timeout, step=0.1) and alive() and met()
+
+
+# How much the delivery of two trajectories may differ in latency (s): where the node
+# computed a hold, as seen from the arrival times.
+JITTER = 0.03
+
+
+def _along(sent, t):
+    """(position, velocity) at t along one trajectory: (arrival, start, start velocity,
+    msg) as joint_trajectory_controller interpolates it (aloha_sim's copy of its rules)."""
+    from oxygen_ros.aloha_sim import hermite
+
+    t0, p, v, msg = sent
+    for pt in msg.points:
+        t1 = t0 + pt.time_from_start.sec + pt.time_from_start.nanosec * 1e-9
+        q, w = np.array(pt.positions, float), np.array(pt.velocities, float)
+        if t < t1:
+            return hermite(max(t, t0), t0, p, v, t1, q, w)
+        t0, p, v = t1, q, w
+    return p, np.zeros_like(p)
+
+
+def controller_setpoint(received, when, start, fresh_until=math.inf):
+    """[(lowest, highest)] per joint of where the controller's setpoint is around `when`
+    (within JITTER) along the trajectories `received` [(arrival, JointTrajectory)] of one
+    controller that arrived before it, each started at the velocity of the one before from
+    `start` (the fake robot's joints: the node starts a command's motion from a fresh
+    reading) or, arriving after `fresh_until` (when the node's last good reading grew
+    older than max_input_age), from the setpoint of the one before. None before the first
+    trajectory."""
+    spans = []
+    for until in {fresh_until - JITTER, fresh_until + JITTER}:
+        sent = None
+        for at, m in received:
+            if at >= when:
+                break
+            if sent is None:
+                p, v = np.asarray(start, float), np.zeros(len(start))
+            else:
+                p, v = _along(sent, at)
+                if at <= until:
+                    p = np.asarray(start, float)
+            sent = (at, p, v, m)
+        if sent is None:
+            return None
+        spans += [_along(sent, t)[0] for t in np.linspace(when - JITTER, when + JITTER, 61)]
+    seen = np.array(spans)
+    return seen.min(axis=0), seen.max(axis=0)
+
+
+def holds_at_setpoint(received, hold, start, fresh_until=math.inf, slack=1e-6):
+    """Whether `hold` (arrival, JointTrajectory), one point at rest, targets where the
+    controller's setpoint was when it arrived (controller_setpoint), not where the joints
+    were last read."""
+    at, m = hold
+    if len(m.points) != 1 or any(m.points[0].velocities):
+        return False
+    span = controller_setpoint(received, at, start, fresh_until)
+    q = np.array(m.points[0].positions)
+    if span is None:  # nothing sent before: a hold at the reading
+        return bool(np.allclose(q, start))
+    return bool(np.all((span[0] - slack <= q) & (q <= span[1] + slack)))
+
+
+def on_path(msg, joints, sent, start, rate=RATE, slack=1e-6):
+    """Whether `msg` is a hold of `joints`: one point at rest one control period ahead,
+    inside the box of `start` (where the fake robot reads them) and every point of the
+    trajectories `sent` before it, where the controller's setpoint has been. A hold at an
+    old or glitched reading, or anywhere else the arm never was, fails it."""
+    if (len(msg.points) != 1 or list(msg.joint_names) != list(joints)
+            or any(msg.points[0].velocities)
+            or abs(msg.points[0].time_from_start.sec
+                   + msg.points[0].time_from_start.nanosec * 1e-9 - 1 / rate) > 1e-6):
+        return False
+    seen = [np.asarray(start, float)] + [np.array(p.positions) for m in sent if m is not msg
+                                         for p in m.points]
+    q = np.array(msg.points[0].positions)
+    return bool(np.all((np.min(seen, 0) - slack <= q) & (q <= np.max(seen, 0) + slack)))
 
 
 class Robot:
@@ -257,14 +341,15 @@ def domain():
 
 
 @contextlib.contextmanager
-def node_process(tmp, params, domain, name, make, *ros_args):
+def node_process(tmp, params, domain, name, make, *ros_args, program=('-m', 'oxygen_ros.node')):
     """The installed oxygen_node as its own process with `params`, and a node of ours built
     by `make(node)` and spun in a thread. Yields (process, what make built); `.log()` on
-    the latter reads the node's output."""
+    the latter reads the node's output. `program`: what python runs instead of the node's
+    module (a script that starts it)."""
     log_path = tmp / 'node.log'
     log = open(log_path, 'w')
     proc = subprocess.Popen(
-        [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file',
+        [sys.executable, *program, '--ros-args', '--params-file',
          write_params(tmp / 'params.yaml', params), *ros_args],
         stdout=log, stderr=subprocess.STDOUT, env=node_env(domain))
     os.environ['ROS_DOMAIN_ID'] = domain
@@ -318,7 +403,7 @@ def assert_alive_and_commanding(robot, params=PARAMS):
     """`robot` (anything with traj, proc and log) gets new commands from its running node."""
     assert keeps_commanding(robot.traj, params['control_rate_hz'],
                             lambda: robot.proc.poll() is None), (
-        f'not commanding at half of {params["control_rate_hz"]:g} Hz or more:\n'
+        f'not commanding at {LIVE:.0%} of {params["control_rate_hz"]:g} Hz or more:\n'
         f'{robot.log()[-3000:]}')
 
 
@@ -327,7 +412,7 @@ def test_missing_joint_at_start_is_reported(robot):
 
 
 def test_trajectories_are_well_formed(robot):
-    # At half the control rate or more; the rate itself is tools/node_load.py's.
+    # At LIVE of the control rate or more; the rate itself is tools/node_load.py's.
     start = len(robot.traj)
     assert_alive_and_commanding(robot)
     for _, m in robot.traj[start:start + 50]:
@@ -463,6 +548,37 @@ def test_bad_prompts_are_rejected_good_one_taken(robot):
     expect_log(robot, mark, r'prompt of 5000 characters is over the limit of 500')
     robot.prompt.publish(String(data='put the cup down'))
     expect_log(robot, mark, r"task prompt: 'put the cup down'")
+    assert_alive_and_commanding(robot)
+
+
+def prompts_of(tokens):
+    """{tokens: prompt}: what the tiny model's prefix takes of each prompt in the subtask
+    format, counted by the built-in tokenizer the node runs."""
+    from oxygen_ros.model.tokenizer import Tokenizer, subtask_prompt
+
+    tok = Tokenizer.default()
+    prompts = ('pick up the cup' + ' a' * k for k in range(20))
+    out = {len(tok.encode(subtask_prompt(p))): p for p in prompts}
+    assert set(tokens) <= set(out), out
+    return out
+
+
+def test_a_prompt_the_model_would_cut_is_refused(robot):
+    # The tiny model's prefix holds 24 prompt tokens.
+    prompts = prompts_of([24, 25])
+    before = robot.get_param('prompt')
+    r = robot.set_param('prompt', prompts[25])
+    assert not r.successful, r
+    assert "prompt of 25 tokens is over the model's max_token_len of 24" in r.reason, r.reason
+    assert robot.get_param('prompt') == before
+    mark = len(robot.log())
+    robot.prompt.publish(String(data=prompts[25]))
+    expect_log(robot, mark, r"~/prompt: prompt of 25 tokens is over the model's max_token_len "
+               r"of 24: it would be cut off; keeping '")
+    with live(robot, prompt=prompts[24]):  # one token fewer fits
+        expect_log(robot, mark, re.escape(f"parameter prompt = {prompts[24]!r}"))
+        robot.prompt.publish(String(data=prompts[24]))
+        expect_log(robot, mark, re.escape(f"task prompt: {prompts[24]!r}"))
     assert_alive_and_commanding(robot)
 
 
@@ -626,12 +742,11 @@ def test_sigterm_holds_and_stops_cleanly(robot):
     time.sleep(0.3)
     assert len(robot.traj) == n, 'commands after shutdown'
     assert 'Traceback' not in robot.log(), robot.log()[-3000:]
-    # The last command replaces whatever the controller executes: one point, at rest, at the
-    # positions the robot measured (joint i reads 0.1 * i).
+    # The last command replaces whatever the controller executes: one point, at rest, where
+    # the controller's setpoint can be (between where the robot measured its joints, joint
+    # i at 0.1 * i, and where it was sent).
     last = [m for at, m in robot.traj if at >= t][-1]
-    assert len(last.points) == 1
-    assert list(last.points[0].velocities) == [0.0] * 7
-    assert list(last.points[0].positions) == pytest.approx([0.1 * i for i in range(7)])
+    assert on_path(last, ARM, [m for _, m in robot.traj][:-1], [0.1 * i for i in range(7)]), last
     assert 'holding: shutting down' in robot.log()
 
 
@@ -669,9 +784,46 @@ def test_corrupt_checkpoint_exits_with_a_clear_error(tmp_path, domain):
     (['-p', 'image_qos:=fast'], 'image_qos must be one of'),
     (['-p', 'max_prompt_chars:=lots'], 'parameter max_prompt_chars must be int'),
     (['-p', 'checkpoint:=/nowhere', '--params-file', '/nowhere.yaml'], 'nowhere.yaml'),
+    # pi0.5's prompt with DROID's 8-d state takes 48 tokens of the tiny model's 24.
+    (['-p', 'prompt_format:=pi05'], "parameter prompt: prompt of 48 tokens with the 8-d state "
+     "(each value at its longest) is over the model's max_token_len of 24"),
+    (['-p', 'outputs.gripper.indices:=[6]'],
+     'action index 6 is in outputs.arm.indices and outputs.gripper.indices'),
+    (['-p', 'control_rate_hz:=1.0e+300'], 'parameter control_rate_hz must be > 0 and <= 1000'),
+    (['-p', 'profile_options:="{velocity_scale: .nan}"'], 'option velocity_scale must be finite'),
 ])
 def test_bad_parameters_exit_with_a_clear_error(tmp_path, domain, extra, message):
     out = run_node(tmp_path, domain, extra)
     assert out.returncode == 1, out.stderr
     assert message in out.stderr, out.stderr
+    assert 'Traceback' not in out.stderr + out.stdout
+
+
+@pytest.fixture(scope='module')
+def paligemma_sized(tmp_path_factory):
+    """An openpi checkpoint of the tiny model with PaliGemma's vocabulary, 257152 entries (a
+    width of 8 keeps its embedding at 8 MB), and stats for DROID's 8 dims."""
+    import torch
+
+    from oxygen_ros.model import Pi05, load_config, save_checkpoint
+
+    torch.manual_seed(0)
+    model = Pi05(load_config('tiny', vocab=257152, vlm={'width': 8})).to_inference('cpu')
+    stats = {'state': {'q01': [-1.0] * 8, 'q99': [1.0] * 8},
+             'actions': {'q01': [-1.0] * 8, 'q99': [1.0] * 8}}
+    return save_checkpoint(model, tmp_path_factory.mktemp('pg') / 'pi05_droid', stats, 'droid')
+
+
+def test_a_checkpoint_without_its_tokenizer_fails_configure(tmp_path, domain, paligemma_sized):
+    # The checkpoint's own dims (model: ''), no tokenizer given or in its directory.
+    params = write_params(tmp_path / 'params.yaml',
+                          dict(PARAMS, model='', checkpoint=str(paligemma_sized)))
+    out = subprocess.run([sys.executable, '-m', 'oxygen_ros.node', '--ros-args',
+                          '--params-file', params], capture_output=True, text=True, timeout=120,
+                         env=node_env(domain))
+    assert out.returncode == 1, out.stderr
+    for part in ('configure failed: cannot start the engine', str(paligemma_sized),
+                 "PaliGemma's 257152-entry vocabulary", 'paligemma_tokenizer.model',
+                 'google/paligemma-3b-pt-224', 'as tokenizer'):
+        assert part in out.stderr + out.stdout, (part, out.stderr + out.stdout)
     assert 'Traceback' not in out.stderr + out.stdout

@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 import pytest
+import yaml
+from safetensors.torch import load_file, save_file
 
 rclpy = pytest.importorskip('rclpy')
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
@@ -25,6 +27,10 @@ from test_node import (  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
+from oxygen_ros.model import load_config  # noqa: E402
+from oxygen_ros.model.tokenizer import Tokenizer  # noqa: E402
+
+DIMS = 'tiny_builtin_vocab.yaml'
 
 
 # A robot that fits the policy of test_lerobot_policy: cameras named as its features, a
@@ -39,7 +45,21 @@ def identity(n, slots='[front, wrist]'):
 
 @pytest.fixture(scope='module')
 def policy(weights, tmp_path_factory):  # noqa: F811
-    return write_policy(tmp_path_factory.mktemp('policy') / 'pi05_policy', weights)
+    """The policy with its embedding cut to the built-in tokenizer's rows, so that the node
+    takes it without a tokenizer of its own (the prompt ids and the tokens sampled lie below
+    them either way), and the tiny dims of that vocabulary beside it (DIMS)."""
+    n = Tokenizer.default().vocab_size
+    tmp = tmp_path_factory.mktemp('policy')
+    t = load_file(str(weights))
+    for key in [k for k in t if k.endswith(('embed_tokens.weight', 'lm_head.weight'))]:
+        t[key] = t[key][:n].clone()
+    save_file(t, str(tmp / 'weights.safetensors'))
+    (tmp / DIMS).write_text(yaml.safe_dump(load_config('tiny', vocab=n).to_dict()))
+    return write_policy(tmp / 'pi05_policy', tmp / 'weights.safetensors')
+
+
+def checkpoint_args(policy):
+    return ['-p', f'checkpoint:={policy}', '-p', f'model:={policy.parent / DIMS}']
 
 
 @pytest.fixture(scope='module')
@@ -52,7 +72,7 @@ def test_node_takes_the_checkpoints_cameras_dims_and_horizon(policy, tmp_path, d
     log = open(tmp_path / 'node.log', 'w')
     proc = subprocess.Popen(
         [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file', params,
-         '-p', f'checkpoint:={policy}', *identity(STATE_DIM)], stdout=log, stderr=subprocess.STDOUT,
+         *checkpoint_args(policy), *identity(STATE_DIM)], stdout=log, stderr=subprocess.STDOUT,
         env=node_env(domain))
     try:
         assert wait_for(lambda: 'configured:' in (tmp_path / 'node.log').read_text()
@@ -82,7 +102,7 @@ def test_node_takes_the_checkpoints_cameras_dims_and_horizon(policy, tmp_path, d
 ])
 def test_a_robot_file_that_disagrees_with_the_checkpoint_is_a_start_error(
         policy, tmp_path, domain, extra, message):
-    out = run_node(tmp_path, domain, ['-p', f'checkpoint:={policy}', *extra])
+    out = run_node(tmp_path, domain, [*checkpoint_args(policy), *extra])
     assert out.returncode == 1, out.stderr
     assert re.search(message, out.stderr), out.stderr
     assert 'Traceback' not in out.stderr + out.stdout

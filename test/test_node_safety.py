@@ -25,6 +25,7 @@ from test_node import (  # noqa: E402
     joint_state,
     new_domain,
     node_process,
+    on_path,
     wait_for,
 )
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
@@ -49,11 +50,23 @@ def seconds(d):
     return d.sec + d.nanosec * 1e-9
 
 
-def is_hold(msg, joints=ARM, at=MEASURED):
-    """One point at positions `at` (of JOINTS), at rest."""
-    return (len(msg.points) == 1 and list(msg.joint_names) == joints
-            and list(msg.points[0].positions) == pytest.approx(at[:len(joints)])
-            and list(msg.points[0].velocities) == [0.0] * len(joints))
+def is_hold(entry, received):
+    """entry (arrival, arm trajectory) is a hold where the controller's setpoint can be,
+    after the trajectories `received` before it (the arm reads MEASURED)."""
+    at, msg = entry
+    return on_path(msg, ARM, [m for t, m in received if t < at], MEASURED[:len(ARM)])
+
+
+def explain(robot, t):
+    """The last one-point trajectory, for a failure's message."""
+    one = [e for e in list(robot.traj) if e[0] >= t and len(e[1].points) == 1]
+    return f'\nlast one-point trajectory: {one[-1]}' if one else '\nno one-point trajectory'
+
+
+def holds(robot, t):
+    """The holds the arm received from monotonic time t on."""
+    sent = list(robot.traj)
+    return [e for e in sent if e[0] >= t and is_hold(e, sent)]
 
 
 class Guard(Robot):
@@ -147,8 +160,10 @@ def test_future_joint_stamps_are_dropped_and_the_robot_holds(robot):
     try:
         # No good reading for max_input_age (0.5 s): the joints are stale, and the robot
         # holds where it last was.
-        assert wait_for(lambda: any(is_hold(m) for m in after(robot.traj, t)), 3.0), (
-            'no hold at the last good readings:\n' + robot.log()[mark:][-3000:])
+        # A hold at the future readings would be 1 away from the setpoint.
+        assert wait_for(lambda: holds(robot, t), 3.0), (
+            'no hold at the controller setpoint:\n' + robot.log()[mark:][-3000:]
+            + explain(robot, t))
         expect_log(robot, mark, rf'joint_states: stamp \d+ ms in the future \(limit '
                    rf'{FUTURE * 1e3:.0f} ms\); message dropped')
         expect_log(robot, mark, r'holding: inputs: joints: stale \(\d+ ms old, limit 500 ms\)')
@@ -162,9 +177,9 @@ def test_future_joint_stamps_are_dropped_and_the_robot_holds(robot):
         d = robot.fresh_diag()
     finally:
         robot.ahead, robot.moved = 0.0, 0.0
-    sent = after(robot.traj, t)
-    assert sum(is_hold(m) for m in sent) == 1
-    assert is_hold(sent[-1]), sent[-1]
+    sent = [e for e in robot.traj if e[0] >= t]
+    assert len(holds(robot, t)) == 1
+    assert is_hold(sent[-1], robot.traj), sent[-1]
     assert int(held['future_stamps']) > int(first['future_stamps'])
     assert int(d['future_stamps']) > int(held['future_stamps'])  # still coming, still dropped
     assert int(held['holds']) > int(first['holds'])
@@ -205,8 +220,8 @@ def test_a_model_failure_holds_and_counts_failed_frames(robot):
         # The engine's own words for the infinite state follow "model failure: ".
         expect_log(robot, mark, r'frame failed: ')
         expect_log(robot, mark, r'holding: model failure: ')
-        # The arm holds where it is measured (the gripper reads 1e39 and holds there).
-        assert wait_for(lambda: any(is_hold(m) for m in after(robot.traj, t)), 2.0)
+        # The arm holds where its setpoint is (the gripper reads 1e39: not a hold target).
+        assert wait_for(lambda: holds(robot, t), 2.0)
         d = robot.fresh_diag()
     finally:
         robot.huge_gripper = False

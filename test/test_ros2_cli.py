@@ -33,6 +33,7 @@ from test_node import (  # noqa: E402
     new_domain,
     node_env,
     node_process,
+    on_path,
     wait_for,
 )
 
@@ -319,7 +320,9 @@ def test_lifecycle_set_deactivate_holds_then_silence(user):
     # machine may also have held for a used-up chunk while the command ran.)
     hold = sent[-1] if sent else None
     assert hold is not None and len(hold.points) == 1, sent[-1:]
-    assert list(hold.points[0].positions) == pytest.approx(MEASURED)
+    # At rest where the controller's setpoint can be: between the measured pose and where
+    # it was sent.
+    assert on_path(hold, ARM, [m for _, m in user.traj][:-1], MEASURED), hold
     assert list(hold.points[0].velocities) == [0.0] * len(ARM)
     assert user.log().count('holding: deactivated') == 1, user.log()[-3000:]
     assert not commanding(user), 'commands after deactivate'

@@ -98,7 +98,7 @@ def sim(request, tmp_path_factory):
 
 
 def commanding(sim, speed=1.0):
-    """At least half the commands of the control ticks of `speed` x wall time."""
+    """At least LIVE (90%) of the commands of the control ticks of `speed` x wall time."""
     return keeps_commanding(sim.traj, RATE * speed, lambda: sim.proc.poll() is None)
 
 
