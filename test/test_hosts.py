@@ -34,6 +34,8 @@ from oxygen_ros import fleet_file  # noqa: E402
 
 WHY_NOT = hosts.why_not()
 needs_netns = pytest.mark.skipif(WHY_NOT is not None, reason=f'no network namespaces: {WHY_NOT}')
+NO_FIREWALL = hosts.no_firewall()
+needs_firewall = pytest.mark.skipif(NO_FIREWALL is not None, reason=str(NO_FIREWALL))
 
 # How images travel: 'compressed' (sensor_msgs/CompressedImage, JPEG, as across a real
 # network) sets the sim robots' image_transport and the node's camera_transports; 'raw'
@@ -64,6 +66,10 @@ class Site:
         self.net, self.tmp, self.sim, self.table = net, tmp, sim, table
         self.rate = float(sim['control_rate_hz'])
         self.procs = {}
+        self.stopped = set()  # processes a test stopped on purpose
+
+    def running(self):
+        return {n: p for n, p in self.procs.items() if n not in self.stopped}
 
     def log(self, name):
         return (self.tmp / f'{name}.log').read_text()
@@ -72,7 +78,12 @@ class Site:
         return '\n'.join(f'--- {n}\n{self.log(n)[-2500:]}' for n in names)
 
     def commanding(self, robot, alive=lambda: True):
-        return keeps_commanding(self.listen.arrivals(robot), self.rate, alive)
+        # Five processes share this machine's two cores here (three sim robots rendering and
+        # encoding cameras, two models), so each node's control loop runs below its rate
+        # (its own control_publish_hz reads 47-61 Hz of 70 in a quiet run). What this checks
+        # across the link is that the robot is commanded, not held (a hold is one message,
+        # then silence): half the rate over the window; test_node holds the 90% bar.
+        return keeps_commanding(self.listen.arrivals(robot), self.rate, alive, live=0.5)
 
     def latency(self, node, robot):
         return self.listen.diag.get(f'{node}: {robot}', {}).get('values', {})
@@ -107,17 +118,23 @@ def site(tmp_path_factory):
         for r in [r for rs in table.values() for r in rs]:
             start('robots', r, [str(lib / 'oxygen_sim_robot'), '--ros-args', '--params-file',
                                 robot_file, '-r', f'__ns:=/{r}'])
-        node = dict(sim, model='tiny', device='cpu', threads=1, report_period=1.0,
-                    narration_every_n_frames=0, **node_extra)
-        for server, host, standby in [('gpu_a', 'gpu_a', False), ('gpu_b', 'gpu_b', False),
-                                      ('gpu_a', 'gpu_b', True)]:
+        # The subtask format: a pi05 prompt with the 8-d state does not fit the tiny model.
+        node = dict(sim, model='tiny', prompt_format='subtask', device='cpu', threads=1,
+                    report_period=1.0, narration_every_n_frames=0, **node_extra)
+
+        def start_node(server, host, standby, autostart):
             name = fleet_file.node_name(server, standby)
             params = dict(node, robots=fleet_file.robots_of(share / 'config' /
                                                             'fleet_hosts.yaml', server),
-                          autostart=not standby)
+                          autostart=autostart)
             start(host, name, [str(lib / 'oxygen_node'), '--ros-args', '--params-file',
                                hosts.write_params(tmp / f'{name}.yaml', params),
                                '-r', f'__node:={name}'])
+
+        s.start_node = start_node
+        for server, host, standby in [('gpu_a', 'gpu_a', False), ('gpu_b', 'gpu_b', False),
+                                      ('gpu_a', 'gpu_b', True)]:
+            start_node(server, host, standby, autostart=not standby)
         robots = [r for rs in table.values() for r in rs]
         s.listen = hosts.Listener(net.run('robots', hosts.agent_argv(
             robots, sim['outputs']['arm']['topic']), env, subprocess.PIPE))
@@ -200,6 +217,7 @@ def test_stopping_one_server_holds_its_robots_the_other_goes_on(site):
     b = site.procs['oxygen_node_gpu_b']
     mine = site.table['gpu_a']
     t0 = time.monotonic()
+    site.stopped.add('oxygen_node_gpu_a')
     a.send_signal(signal.SIGINT)
     try:
         code = a.wait(20)
@@ -259,6 +277,124 @@ def test_a_standby_takes_the_stopped_servers_robots_over(site):
     assert 'configured:' in site.log(STANDBY), site.tails(STANDBY)
     # Nothing else was restarted: the sim robots and gpu_b run since the start.
     assert all(site.procs[r].poll() is None for rs in site.table.values() for r in rs)
+
+
+def well_formed(m, horizon):
+    """A trajectory the controller takes: points in time order, none beyond the horizon,
+    the last at rest."""
+    t = m['times']
+    return (bool(t) and all(b > a for a, b in zip(t, t[1:], strict=False))
+            and t[-1] <= horizon + 1e-6 and m['vmax'] == 0.0)
+
+
+def most_in_a_second(arrivals, t0, t1):
+    """The most trajectories that arrived between t0 and t1 sent within any 1 s (by their
+    source timestamps: a listener that fell behind and drains its queue at once must not
+    look like two senders)."""
+    t = sorted(m['src'] for at, m in list(arrivals) if t0 <= at <= t1)
+    return max((sum(1 for u in t[i:] if u - x <= 1.0) for i, x in enumerate(t)), default=0)
+
+
+@needs_netns
+@needs_firewall
+def test_random_packet_loss_slows_the_robots_down_but_never_breaks_them(site):
+    robots = [r for rs in site.table.values() for r in rs]
+    commanders = {STANDBY: site.table['gpu_a'],
+                  fleet_file.node_name('gpu_b'): site.table['gpu_b']}
+    t0 = time.monotonic()
+    site.net.loss('robots', 0.2)  # a fifth of the robot host's packets, both ways
+    try:
+        time.sleep(8.0)
+    finally:
+        site.net.heal('robots')
+    t1 = time.monotonic()
+    running = site.running()
+    assert all(p.poll() is None for p in running.values()), site.tails(*running)
+    horizon = float(site.sim.get('max_command_horizon', 0.5))
+    for r in robots:
+        got = [m for t, m in site.listen.arrivals(r) if t0 <= t <= t1]
+        print(f'\n{r}: {len(got) / (t1 - t0):.1f} trajectories/s with 20% packet loss')
+        # Slower, not stopped: reliable trajectories are sent again, best-effort images
+        # are lost, and a chunk bridges a lost frame.
+        assert len(got) >= 0.25 * site.rate * (t1 - t0), (r, len(got))
+        assert all(well_formed(m, horizon) for m in got), [m for m in got
+                                                           if not well_formed(m, horizon)][:2]
+    for r in robots:
+        assert site.commanding(r), (r, site.tails(STANDBY, 'oxygen_node_gpu_b'))
+    for node, rs in commanders.items():
+        for r in rs:
+            v = site.latency(node, r)
+            assert v.get('faults') == '0' and v.get('active') == 'True', (node, r, v)
+
+
+@needs_netns
+@needs_firewall
+def test_a_healed_partition_never_gives_a_robot_two_commanders(site):
+    mine = site.table['gpu_a']  # commanded by the standby on gpu_b's host now
+    standby = site.procs[STANDBY]
+    primary = fleet_file.node_name('gpu_a')
+    # gpu_a's server comes back, unconfigured: it may not take robots the standby commands.
+    site.start_node('gpu_a', 'gpu_a', False, autostart=False)
+    site.stopped.discard(primary)
+    assert wait_for(lambda: 'unconfigured: waiting' in site.log(primary), 60), site.tails(primary)
+    assert site.listen.transition(primary, 'configure').get('ok'), site.tails(primary)
+    assert not site.listen.transition(primary, 'activate').get('ok')
+    arm_topic = site.sim['outputs']['arm']['topic']
+    assert (f'refusing to activate: robot left: another node commands this robot: '
+            f'/left/{arm_topic} <- /{STANDBY}') in site.log(primary), (
+        site.tails(primary))
+    # A partition cuts gpu_b's host (the standby, and gpu_b's own node) off.
+    rest = (float(site.sim.get('max_input_age', 0.5))
+            + float(site.sim.get('max_command_horizon', 0.5)))
+    cut = time.monotonic()
+    site.net.cut('gpu_b')
+    try:
+        time.sleep(rest + 0.5)
+        robots = [*mine, *site.table['gpu_b']]
+        # Nothing reaches the robots: each comes to rest where its last trajectory ended.
+        for r in robots:
+            late = [t for t, _ in site.listen.arrivals(r) if t > cut + 0.2]
+            assert not late, (r, len(late))
+        arm = len(site.sim['outputs']['arm']['joints'])
+        for r in robots:
+            q = [q[:arm] for t, q in list(site.listen.joints[r]) if t >= cut + rest]
+            assert q and all(max(abs(x - y) for x, y in zip(p, q[0], strict=True)) < 1e-3
+                             for p in q), (r, q[:1], q[-1:])
+        # The operator (or a supervisor) activates gpu_a's node: it hears no other
+        # commander (the standby is cut off) and takes the robots.
+        got = site.listen.transition(primary, 'activate')
+        assert got.get('ok'), site.tails(primary)
+        for r in mine:
+            assert site.commanding(r, lambda: site.procs[primary].poll() is None), (
+                site.tails(primary, r))
+    finally:
+        heal = time.monotonic()
+        site.net.heal('gpu_b')
+    # The standby's inputs come back after a long silence: it listens, hears gpu_a's node
+    # and leaves the robots to it without sending a thing; gpu_b's node takes its own robot
+    # again once it heard nobody else on it.
+    assert wait_for(lambda: 'every robot is commanded by another node: deactivating'
+                    in site.log(STANDBY), 30), site.tails(STANDBY)
+    text = site.log(STANDBY)
+    for r in mine:
+        assert (f'robot {r}: another node commands this robot: /{r}/{arm_topic}'
+                f' <- /{primary}') in text, text[-3000:]
+    assert 'leaving commanding to it (this node was not commanding)' in text, text[-3000:]
+    assert 'holding and leaving commanding' not in text, text[-3000:]
+    b = site.procs[fleet_file.node_name('gpu_b')]
+    for r in site.table['gpu_b']:
+        assert site.commanding(r, lambda: b.poll() is None), site.tails('oxygen_node_gpu_b', r)
+    for r in mine:
+        assert site.commanding(r, lambda: site.procs[primary].poll() is None), site.tails(
+            primary, r)
+    time.sleep(3.0)
+    end = time.monotonic()
+    # Never two commanders: one node's trajectories at control_rate_hz, never two nodes'.
+    for r in [*mine, *site.table['gpu_b']]:
+        most = most_in_a_second(site.listen.arrivals(r), heal, end)
+        print(f'{r}: at most {most} trajectories in a second after the partition healed')
+        assert most <= 1.25 * site.rate, (r, most)
+    assert standby.poll() is None and all(p.poll() is None for p in site.procs.values())
 
 
 @pytest.mark.skipif(not HAVE_LAUNCH, reason=NO_LAUNCH)

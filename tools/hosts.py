@@ -68,6 +68,13 @@ def ip(*args, check=True):
                           timeout=20)
 
 
+def no_firewall() -> str | None:
+    """None when iptables (with its statistic match) can filter a namespace's packets."""
+    if shutil.which('iptables') is None:
+        return 'no iptables to drop packets (apt-get install iptables)'
+    return None
+
+
 def why_not() -> str | None:
     """None when network namespaces and veth pairs can be made here, else why not."""
     if os.geteuid() != 0:
@@ -164,6 +171,30 @@ class Hosts:
             capture_output=True, text=True, check=True, timeout=20).stdout.split()
         return dict(zip(keys, map(int, out), strict=True))
 
+    def firewall(self, host, *rules: list[str]):
+        """Append iptables rules (each a list of arguments after `-A`) in `host`'s
+        namespace: what a lossy or broken link does to the packets of eth0."""
+        for rule in rules:
+            subprocess.run(['ip', 'netns', 'exec', self.ns[host], 'iptables', '-A', *rule],
+                           capture_output=True, text=True, check=True, timeout=20)
+
+    def loss(self, host, share: float):
+        """Drop `share` of eth0's packets at random, both ways (iptables' statistic match)."""
+        drop = ['-m', 'statistic', '--mode', 'random', '--probability', f'{share:g}',
+                '-j', 'DROP']
+        self.firewall(host, ['INPUT', '-i', 'eth0', *drop], ['OUTPUT', '-o', 'eth0', *drop])
+
+    def cut(self, host):
+        """Cut `host` off the link (its own loopback keeps working): a partition."""
+        self.firewall(host, ['INPUT', '-i', 'eth0', '-j', 'DROP'],
+                      ['OUTPUT', '-o', 'eth0', '-j', 'DROP'])
+
+    def heal(self, host):
+        """Remove every rule of `host`'s namespace."""
+        for chain in ('INPUT', 'OUTPUT'):
+            subprocess.run(['ip', 'netns', 'exec', self.ns[host], 'iptables', '-F', chain],
+                           capture_output=True, text=True, check=True, timeout=20)
+
     def close(self):
         stop(self.procs)
         self.procs = []
@@ -203,8 +234,9 @@ def dds_env(domain: str, profile: str | Path) -> dict:
 # -- the robot-side listener ------------------------------------------------------------------
 
 def agent(robots: list[str], topic: str, joints_every: float):
-    """Prints, one JSON object a line: {"traj": robot, "t", "times", "end", "vmax"} per
-    trajectory on /<robot>/<topic> (t: time.monotonic() at arrival; times: each point's
+    """Prints, one JSON object a line: {"traj": robot, "t", "src", "times", "end", "vmax"}
+    per trajectory on /<robot>/<topic> (t: time.monotonic() at arrival; src: when the
+    publisher sent it, its DDS source timestamp in s of the system clock; times: each point's
     time_from_start; end: the last point's positions; vmax: its largest |velocity|),
     {"joints": robot, "t", "q"} every `joints_every` s per robot, {"diag": name, "t",
     "level", "values"} per status on /diagnostics. Reads lines `<id> <node> <transition>`
@@ -231,11 +263,12 @@ def agent(robots: list[str], topic: str, joints_every: float):
     reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
     last_joints = {}
 
-    def on_traj(robot, m):
+    def on_traj(robot, m, info):
         t = time.monotonic()
         end = m.points[-1] if m.points else None
         times = [p.time_from_start.sec + p.time_from_start.nanosec * 1e-9 for p in m.points]
-        say(traj=robot, t=t, times=times, end=list(end.positions) if end else [],
+        say(traj=robot, t=t, src=info['source_timestamp'] * 1e-9, times=times,
+            end=list(end.positions) if end else [],
             vmax=max((abs(v) for v in end.velocities), default=0.0) if end else 0.0)
 
     def on_joints(robot, m):
@@ -252,7 +285,7 @@ def agent(robots: list[str], topic: str, joints_every: float):
 
     for r in robots:
         node.create_subscription(JointTrajectory, f'/{r}/{topic}',
-                                 lambda m, r=r: on_traj(r, m), reliable)
+                                 lambda m, info, r=r: on_traj(r, m, info), reliable)
         node.create_subscription(JointState, f'/{r}/joint_states',
                                  lambda m, r=r: on_joints(r, m), qos_profile_sensor_data)
     node.create_subscription(DiagnosticArray, '/diagnostics', on_diag, 50)
@@ -361,7 +394,9 @@ def measure(seconds: float, one_host: bool, transport: str = 'raw'):
     share = Path(get_package_share_directory('oxygen_ros'))
     sim = yaml.safe_load((share / 'config' / 'sim.yaml').read_text())['/**']['ros__parameters']
     robots = ['left', 'right']
-    node = dict(sim, model='tiny', device='cpu', robots=robots, report_period=1.0)
+    # The subtask format: a pi05 prompt with the 8-d state does not fit the tiny model.
+    node = dict(sim, model='tiny', prompt_format='subtask', device='cpu', robots=robots,
+                report_period=1.0)
     robot = dict(sim, report_every_s=1.0)
     if transport != 'raw':  # the sim robots send what image_transport would, the node reads it
         robot['image_transport'] = transport
