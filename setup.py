@@ -29,6 +29,8 @@ setup(
             # The MuJoCo ALOHA and its evaluation need requirements-mujoco.txt (and ROS).
             'oxygen-eval = oxygen_ros.eval:main',
             'oxygen_mujoco_aloha = oxygen_ros.mujoco_aloha:main',
+            # Needs requirements-mujoco.txt and h5py.
+            'oxygen-demos = oxygen_ros.demos:main',
         ],
     },
 )
