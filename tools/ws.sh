@@ -95,6 +95,18 @@ sim_setup() {
   echo "$want" > "$stamp"
 }
 
+test_tools() {
+  # test_hosts drops packets between network namespaces with iptables (root only, like the
+  # namespaces themselves); Debian and Ubuntu have it as the `iptables` package.
+  if [ "$(id -u)" = 0 ] && ! command -v iptables >/dev/null 2>&1 \
+      && command -v apt-get >/dev/null 2>&1; then
+    echo "== installing iptables (test_hosts' packet loss and partitions)"
+    if ! apt-get install -y -q iptables >/dev/null; then
+      apt-get update -q >/dev/null && apt-get install -y -q iptables >/dev/null
+    fi
+  fi
+}
+
 strict() {
   # The skip gate's strict mode (tools/skips.py): CI=true, or both tarballs given.
   case "${CI:-}" in [Tt][Rr][Uu][Ee]|1|[Yy][Ee][Ss]) return 0 ;; esac
@@ -163,7 +175,7 @@ case "${1:-}" in
   build) build ;;
   test)
     # Where skips fail the run, the simulator tests must run: install what they need.
-    if strict; then sim_setup; fi
+    if strict; then sim_setup; test_tools; fi
     build
     use_install
     rm -rf build/oxygen_ros/test_results
