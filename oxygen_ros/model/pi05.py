@@ -176,7 +176,6 @@ class Pi05(nn.Module):
         return self._head[1]
 
     # ------------------------------------------------------------------ prefill
-    @torch.no_grad()
     def prefill(self, images: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor,
                 token_mask: torch.Tensor, kv: KV, rows: slice = slice(None)) -> torch.Tensor:
         """Encode observations into KV rows; returns the final-normed hidden state [B, width]
@@ -289,18 +288,39 @@ class Pi05(nn.Module):
     def _modulations(self, times: list[float]):
         """adaRMSNorm (1 + scale, shift, gate) of every expert norm at every step, computed
         once per call: they depend on the time only. Returns [step][norm] -> tuple."""
-        e = self.cfg.expert
         t = torch.tensor(times, dtype=torch.float32, device=self.device)
+        per_norm = [list(zip(*(x.unbind(0) for x in m), strict=True))
+                    for m in self._norm_modulations(t)]
+        return [list(m) for m in zip(*per_norm, strict=True)]
+
+    def _norm_modulations(self, t: torch.Tensor) -> list[tuple]:
+        """[norm] -> (1 + scale, shift, gate), each [len(t), width], at times ``t``."""
+        e = self.cfg.expert
         c = F.silu(F.linear(time_embedding(t, e.width), self.time_in.weight, self.time_in.bias))
         c = F.silu(F.linear(c, self.time_out.weight, self.time_out.bias))
         dense = [n for blk in self.expert for n in (blk.norm1, blk.norm2)] + [self.expert_norm]
-        per_norm = []
+        out = []
         for d in dense:
             scale, shift, gate = F.linear(c.to(d.weight.dtype), d.weight, d.bias).float() \
                 .chunk(3, -1)
-            per_norm.append(list(zip((1.0 + scale).unbind(0), shift.unbind(0),
-                                     gate.to(self.dtype).unbind(0), strict=True)))
-        return [list(m) for m in zip(*per_norm, strict=True)]
+            out.append((1.0 + scale, shift, gate.to(self.dtype)))
+        return out
+
+    def velocity(self, kv: KV, rows: slice, x_t: torch.Tensor,
+                 t: torch.Tensor) -> torch.Tensor:
+        """The flow's velocity [B, horizon, action_dim] at ``x_t`` and time ``t`` [B] (one per
+        row), from the prefix that prefill left in ``rows``: what each denoise step computes
+        (there all rows share one time), with gradients where the parameters take them.
+        Training's flow-matching loss is on it."""
+        b = x_t.shape[0]
+        rows = _contiguous_rows(rows, kv, b)
+        if t.shape != (b,):
+            raise ValueError(f"t must be [{b}], one time per row, got {tuple(t.shape)}")
+        lp = int(kv.length[rows].max())
+        mods = [tuple(x[:, None] for x in m)
+                for m in self._norm_modulations(t.to(self.device, torch.float32))]
+        inputs = self._denoise_inputs(kv, rows, x_t.shape[1], lp)
+        return self._velocity(x_t.to(self.device, torch.float32), mods, *inputs)
 
     def denoise(self, kv: KV, rows: slice, noise: torch.Tensor, steps: int = 10,
                 cols: int | None = None, trace: list | None = None,
@@ -471,36 +491,48 @@ class Pi05(nn.Module):
         positions continuing from kv.next_pos, exactly as if they had been decoded one by
         one: a question enters a request after the frame's prefix without a second prefill.
         """
+        return self.extend_rows(kv, slice(row, row + 1), tokens.reshape(1, -1))[:, -1]
+
+    def extend_rows(self, kv: KV, rows: slice, tokens: torch.Tensor) -> torch.Tensor:
+        """extend for the rows of one prefill (they share its column layout): ``tokens``
+        [b, n] appended to each; returns the final-normed hidden state after each token
+        [b, n, width]. Gradients flow where the parameters take them (training's text loss
+        runs through it, teacher-forced)."""
         dev = self.device
-        tokens = tokens.to(dev).reshape(1, -1)
-        n = tokens.shape[1]
-        start, pos0 = int(kv.length[row]), int(kv.next_pos[row])
-        end = start + n
+        tokens = tokens.to(dev)
+        b, n = tokens.shape
+        rows = _contiguous_rows(rows, kv, b)
         if n == 0:
             raise ValueError("extend needs at least one token")
+        lengths = kv.length[rows]
+        start = int(lengths[0])
+        if bool((lengths != start).any()):
+            raise ValueError(f"rows of different lengths {lengths.tolist()} cannot be extended "
+                             f"together")
+        end = start + n
         if end > kv.max_len:
             raise ValueError(f"{n} tokens after {start} columns do not fit KV rows of "
                              f"{kv.max_len}")
-        kv.valid[row, start:end] = True
+        kv.valid[rows, start:end] = True
         cols = torch.arange(end, device=dev)
         new = torch.arange(start, end, device=dev)[:, None]
-        mask = kv.valid[row, :end] & ((cols < start) | (cols <= new))  # [n, end]
-        mask = fold_mask(mask[None, None], self.cfg.vlm.heads // self.cfg.vlm.kv_heads)
-        pos = pos0 + torch.arange(n, device=dev)
+        mask = kv.valid[rows, None, :end] & ((cols < start) | (cols <= new))  # [b, n, end]
+        mask = fold_mask(mask[:, None], self.cfg.vlm.heads // self.cfg.vlm.kv_heads)
+        pos = kv.next_pos[rows, None] + torch.arange(n, device=dev)
         cos_t, sin_t = self._rope_for(int(kv.max_len) + 1)
-        cos, sin = cos_t[pos][None, :, None], sin_t[pos][None, :, None]
+        cos, sin = cos_t[pos][:, :, None], sin_t[pos][:, :, None]
 
         x = self.embed_tokens(tokens)
         for i, blk in enumerate(self.vlm):
             q, k, v = blk.qkv_heads(blk.norm1(x))
-            kv.k[i][row, :, start:end] = rope(k, cos, sin)[0].transpose(0, 1)
-            kv.v[i][row, :, start:end] = v[0].transpose(0, 1)
-            kc, vc = kv.k[i][row:row + 1, :, :end], kv.v[i][row:row + 1, :, :end]
+            kv.k[i][rows, :, start:end] = rope(k, cos, sin).transpose(1, 2)
+            kv.v[i][rows, :, start:end] = v.transpose(1, 2)
+            kc, vc = kv.k[i][rows, :, :end], kv.v[i][rows, :, :end]
             x = x + F.linear(attend(rope(q, cos, sin), kc, vc, mask), blk.o.weight)
             x = x + blk.mlp(blk.norm2(x))
-        kv.length[row] = end
-        kv.next_pos[row] = pos0 + n
-        return self.vlm_norm(x[:, -1])
+        kv.length[rows] = end
+        kv.next_pos[rows] += n
+        return self.vlm_norm(x)
 
     # ------------------------------------------------------------------ reference
     @torch.no_grad()
