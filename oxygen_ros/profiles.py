@@ -224,6 +224,30 @@ class Aloha(Profile):
             )
         return a
 
+    def encode_actions(self, targets: np.ndarray, state: np.ndarray) -> np.ndarray:
+        """The inverse of decode_actions, for training: [H, 14] targets in robot units
+        commanded from raw `state` -> the model actions that decode to them (openpi trains
+        ALOHA policies so: its _encode_actions_inv, then DeltaActions against the encoded
+        state)."""
+        a = np.array(targets, dtype=np.float64)
+        if a.ndim != 2 or a.shape[1] != self.action_dim:
+            raise ValueError(f"{self.name}: targets must be [H, {self.action_dim}], got "
+                             f"{a.shape}")
+        if not self.normalized_gripper:
+            a[:, ALOHA_GRIPPERS] = _normalize(
+                a[:, ALOHA_GRIPPERS], GRIPPER_JOINT_CLOSE, GRIPPER_JOINT_OPEN
+            )
+        if self.adapt_to_pi:
+            a[:, ALOHA_GRIPPERS] = _unnormalize(
+                a[:, ALOHA_GRIPPERS], GRIPPER_JOINT_CLOSE, GRIPPER_JOINT_OPEN
+            ) - PI_GRIPPER_MIN
+            a = ALOHA_FLIP * a
+        if self.delta:
+            a[:, ALOHA_ARMS] -= self.encode_state(state)[ALOHA_ARMS]
+        else:
+            self._state(state)
+        return a
+
 
 class Droid(Profile):
     """Franka + Robotiq as in DROID: 7 joint positions + gripper (0 open .. 1 closed).
