@@ -31,6 +31,7 @@ setup(
             'oxygen_mujoco_aloha = oxygen_ros.mujoco_aloha:main',
             # Needs requirements-mujoco.txt and h5py.
             'oxygen-demos = oxygen_ros.demos:main',
+            'oxygen-train = oxygen_ros.train:main',
         ],
     },
 )
