@@ -364,12 +364,27 @@ class Observer:
                 'cube_in_right': self.gripped('right', touch),
                 'cube_lifted': self.lowest() >= self.table + LIFTED}
 
+    def facts(self) -> dict[str, bool]:
+        """answers, and whether anything but the left fingers touches the cube: at the end
+        of a transfer the cube is held in the air by the left gripper alone."""
+        touch = self.touching()
+        return {'cube_in_left': self.gripped('left', touch),
+                'cube_in_right': self.gripped('right', touch),
+                'cube_lifted': self.lowest() >= self.table + LIFTED,
+                'cube_touched_elsewhere': bool(touch - self.fingers['left'])}
+
     def in_gripper(self, side: str) -> tuple[np.ndarray, np.ndarray]:
         """The cube's centre in the gripper's frame, and the gripper's position (world)."""
         d = self.sim.physics.data.ptr
         b = self.grip_body[side]
         rot = d.xmat[b].reshape(3, 3)
         return (self.cube()[0] - d.xpos[b]) @ rot, d.xpos[b].copy()
+
+
+def transferred(facts: dict[str, bool]) -> bool:
+    """The cube handed over: in the air, in the left gripper, touched by nothing else."""
+    return (facts['cube_in_left'] and facts['cube_lifted'] and not facts['cube_in_right']
+            and not facts['cube_touched_elsewhere'])
 
 
 def held_problem(trace: list[dict], names: dict[int, str], left: set[int]) -> str:

@@ -83,12 +83,17 @@ def side_of(group_joints: list[str], group: str) -> tuple[str, str]:
     return side, kind
 
 
+FACTS = ('cube_in_left', 'cube_in_right', 'cube_lifted', 'cube_touched_elsewhere')
+
+
 class Scene:
     """The simulation and its controllers, independent of ROS: what the node's loop runs."""
 
     def __init__(self, task: str, groups: dict[str, tuple[str, str, list[str]]], width: int,
                  height: int, seed: int = 0):
         self.sim = AlohaSim(task, width, height)
+        self.task = task
+        self.observer = None  # transfer_cube: what the scene says about the cube
         self.groups = groups  # group -> (side, kind, joints)
         self.episode = 0
         self.accepted = 0
@@ -97,6 +102,10 @@ class Scene:
 
     def reset(self, seed: int):
         self.sim.reset(seed)
+        if self.task == 'transfer_cube' and self.observer is None:
+            from oxygen_ros.demos import Observer
+
+            self.observer = Observer(self.sim)
         self.episode += 1
         self.since = self.sim.time  # trajectories stamped before this are stale
         self.controllers = {g: Controller(j, self.measured(side, kind)[0])
@@ -143,6 +152,12 @@ class Scene:
             sim.set_targets(arm, finger)
             sim.substep(1)
         return sim.end_step()
+
+    def facts(self) -> dict[str, bool]:
+        """SimStep's facts about the cube (all false without a cube)."""
+        if self.observer is None:
+            return dict.fromkeys(FACTS, False)
+        return self.observer.facts()
 
     def joint_state(self, side: str) -> tuple[list[float], list[float], list[float]]:
         q, v = self.sim.positions(side), self.sim.velocities(side)
@@ -327,6 +342,8 @@ def main(argv=None):
             m = SimStep()
             m.header.stamp = stamp_msg(scene.sim.time)
             m.episode, m.step, m.reward, m.done = scene.episode, step_in_episode, reward, done
+            for k, v in scene.facts().items():
+                setattr(m, k, v)
             step_pub.publish(m)
             if done:
                 paused = True

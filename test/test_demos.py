@@ -183,6 +183,19 @@ def test_replay_reproduces_the_episode(made, sim):
             assert all(next(iter(set(pair) - {'red_box'}), None) in left
                        for pair in end['pairs'] if 'red_box' in pair)
             assert end['lowest'] > 0.1
+            # What oxygen_mujoco_aloha's SimStep and oxygen-eval say of it: transferred.
+            facts = demos.Observer(sim).facts()
+            assert facts == {'cube_in_left': True, 'cube_in_right': False, 'cube_lifted': True,
+                             'cube_touched_elsewhere': False}, facts
+            assert demos.transferred(facts)
+            # ... and of the cube once it has dropped onto the table (it is placed in the
+            # air) while the arms keep still: not.
+            sim.reset(int(f.attrs['seed']))
+            for _ in range(25):
+                sim.step(f['action'][0].astype(float))
+            facts = demos.Observer(sim).facts()
+            assert facts['cube_touched_elsewhere'] and not facts['cube_lifted'], facts
+            assert not demos.transferred(facts)
 
 
 def test_phases_follow_the_documented_order(made):
