@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -107,10 +108,15 @@ def main(argv=None):
     env = dict(os.environ)
     py = sys.executable
     ros = ['--ros-args', '--params-file', str(params)]
+    # `python -m` puts the working directory first on the path: from a source checkout's
+    # root the sources, which lack the generated oxygen_ros.msg, would shadow the installed
+    # package. The children run elsewhere.
+    away = tempfile.gettempdir()
     procs = {
-        'sim robot': subprocess.Popen([py, '-m', 'oxygen_ros.sim_robot', *ros], env=env),
+        'sim robot': subprocess.Popen([py, '-m', 'oxygen_ros.sim_robot', *ros], env=env,
+                                      cwd=away),
         'node': subprocess.Popen([py, '-m', 'oxygen_ros.node', *ros, '-p', f'model:={args.model}'],
-                                 env=env),
+                                 env=env, cwd=away),
     }
     rclpy.init()
     node = rclpy.create_node('oxygen_demo_monitor')

@@ -43,8 +43,10 @@ from oxygen_ros.aloha_sim import (
     normalized_from_gripper,
 )
 from oxygen_ros.demo import config_dir
+from oxygen_ros.demos import Observer, transferred
 
 ENVS = {'aloha-insertion': 'insertion', 'aloha-transfer-cube': 'transfer_cube'}
+LIFT_REWARD = 2  # gym-aloha's transfer-cube: 2 = the cube lifted in the right gripper
 # LeRobot's task descriptions for gym-aloha's two tasks.
 PROMPTS = {'insertion': 'Insert the peg into the socket.',
            'transfer_cube': 'Pick up the cube with the right arm and transfer it to the '
@@ -56,25 +58,76 @@ def robot_params(name: str = 'aloha.yaml') -> dict:
     return yaml.safe_load((config_dir() / name).read_text())['/**']['ros__parameters']
 
 
+def cameras(slots) -> list[tuple[str, str, str]]:
+    """(camera, topic, slot) of aloha.yaml's cameras whose slot the model has: a policy
+    trained on the top camera alone is given the top camera alone."""
+    p = robot_params()
+    out = [(c, t, s) for c, t, s in zip(p['cameras'], p['camera_topics'], p['camera_slots'],
+                                        strict=True) if s in slots]
+    if not out:
+        raise RuntimeError(f'none of aloha.yaml\'s camera slots {p["camera_slots"]} is a slot '
+                           f'of the model ({list(slots)})')
+    return out
+
+
+def model_slots(args) -> tuple[str, ...]:
+    """The image slots of the policy the node will run."""
+    from oxygen_ros.model import load_config
+    from oxygen_ros.model.checkpoint import open_checkpoint
+
+    if args.checkpoint:
+        return open_checkpoint(args.checkpoint, load_config(args.model) if args.model
+                               else None).slots
+    return load_config(args.model).image_slots
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a rate of k in n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return float(max(0.0, mid - half)), float(min(1.0, mid + half))
+
+
 def summary(episodes: list[dict]) -> dict:
     n = len(episodes)
-    return {
+    wins = sum(e['success'] for e in episodes)
+    lifts = sum(e['max_reward'] >= LIFT_REWARD for e in episodes)
+    out = {
         'episodes': n,
-        'successes': sum(e['success'] for e in episodes),
-        'success_rate': sum(e['success'] for e in episodes) / n if n else 0.0,
+        'successes': wins,
+        'success_rate': wins / n if n else 0.0,
+        'success_95': wilson(wins, n),
+        'lifts': lifts,
+        'lift_rate': lifts / n if n else 0.0,
+        'lift_95': wilson(lifts, n),
         'avg_max_reward': float(np.mean([e['max_reward'] for e in episodes])) if n else 0.0,
         'avg_sum_reward': float(np.mean([e['sum_reward'] for e in episodes])) if n else 0.0,
         'wall_s_per_episode': float(np.mean([e['wall_s'] for e in episodes])) if n else 0.0,
     }
+    if episodes and 'transferred' in episodes[0]:
+        k = sum(e['transferred'] for e in episodes)
+        out.update(transfers=k, transfer_rate=k / n, transfer_95=wilson(k, n))
+    return out
 
 
 def episode_result(seed: int, rewards: list[float], wall: float, frames: int,
-                   video: str | None) -> dict:
+                   video: str | None, facts: dict | None = None) -> dict:
+    """`facts`: transfer_cube's facts about the cube after the last step (SimStep's)."""
     r = [float(x) for x in rewards]
-    return {'seed': seed, 'steps': len(r), 'success': bool(r) and max(r) >= SUCCESS_REWARD,
-            'max_reward': max(r) if r else 0.0, 'sum_reward': float(sum(r)), 'rewards': r,
-            'wall_s': wall, 'sim_time_factor': len(r) * DT / wall if wall > 0 else 0.0,
-            'frames': frames, 'video': video}
+    out = {'seed': seed, 'steps': len(r), 'success': bool(r) and max(r) >= SUCCESS_REWARD,
+           'max_reward': max(r) if r else 0.0, 'sum_reward': float(sum(r)), 'rewards': r,
+           'wall_s': wall, 'sim_time_factor': len(r) * DT / wall if wall > 0 else 0.0,
+           'frames': frames, 'video': video}
+    if facts is not None:
+        # gym-aloha's success (reward 4 once) also comes while the right gripper still
+        # holds the cube: a transfer is the cube in the air, in the left gripper alone, at
+        # the end, with the task's reward 4 there.
+        out['final_facts'] = dict(facts)
+        out['transferred'] = bool(r) and r[-1] >= SUCCESS_REWARD and transferred(facts)
+    return out
 
 
 def write_video(path: Path, frames: list[np.ndarray], fps: int = VIDEO_FPS) -> str | None:
@@ -121,11 +174,11 @@ def direct(args, task: str, out: Path) -> list[dict]:
 
     p = robot_params()
     profile = make_profile('aloha', **yaml.safe_load(p['profile_options']))
-    slots = dict(zip(p['cameras'], p['camera_slots'], strict=True))
     engine = Engine(EngineConfig(model=args.model, checkpoint=args.checkpoint,
                                  tokenizer=args.tokenizer, device=args.device,
                                  threads=args.threads,
                                  denoise_steps=args.denoise_steps))
+    slots = {c: s for c, _, s in cameras(engine.slots)}
     play = args.play_steps or engine.n_action_steps or engine.action_horizon
     prompt = args.prompt or PROMPTS[task]
     # As the node refuses it: past max_token_len the tokenizer would cut off the state.
@@ -135,10 +188,13 @@ def direct(args, task: str, out: Path) -> list[dict]:
                            f'over the model\'s max_token_len of {room}')
     sim = AlohaSim(task, args.width, args.height)
     guard = Guard(p['joint_limits'])
+    observer = None
     episodes = []
     for i in range(args.episodes):
         seed = args.seed + i
         sim.reset(seed)
+        if task == 'transfer_cube' and observer is None:
+            observer = Observer(sim)
         t0 = time.monotonic()
         rewards, frames, queue = [], [], []
         guard.start(sim.state())
@@ -164,7 +220,8 @@ def direct(args, task: str, out: Path) -> list[dict]:
                 frames.append(sim.render('cam_high'))
         wall = time.monotonic() - t0
         video = write_video(out / f'direct_{task}_seed{seed}.mp4', frames) if args.video else None
-        episodes.append(episode_result(seed, rewards, wall, len(frames), video))
+        facts = observer.facts() if observer is not None else None
+        episodes.append(episode_result(seed, rewards, wall, len(frames), video, facts))
         episodes[-1]['unstable'] = unstable
         note = f' ({unstable})' if unstable else ''
         print(f'oxygen-eval: direct episode {i + 1}/{args.episodes} seed {seed}: max reward '
@@ -237,9 +294,11 @@ class Processes:
 
     def start(self, name: str, module: str, *ros_args: str):
         log = open(self.out / f'{name}.log', 'w')
+        # cwd: `python -m` puts it first on the path, and from a source checkout's root the
+        # sources (without the generated oxygen_ros.msg) would shadow the installed package.
         self.procs[name] = (subprocess.Popen(
             [sys.executable, '-m', module, '--ros-args', *ros_args],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env), log)
+            stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.out), log)
 
     def dead(self) -> list[str]:
         return [n for n, (p, _) in self.procs.items() if p.poll() is not None]
@@ -269,9 +328,14 @@ def ros(args, task: str, out: Path) -> list[dict]:
     from sensor_msgs.msg import Image
 
     from oxygen_ros.msg import SimStep
+    from oxygen_ros.mujoco_aloha import FACTS
     from oxygen_ros.srv import SimReset
 
+    cams = cameras(model_slots(args))
     node_params = {'model': args.model, 'checkpoint': args.checkpoint,
+                   'cameras': [c for c, _, _ in cams],
+                   'camera_topics': [t for _, t, _ in cams],
+                   'camera_slots': [s for _, _, s in cams],
                    'tokenizer': args.tokenizer, 'device': args.device,
                    'threads': args.threads, 'denoise_steps': args.denoise_steps,
                    'allow_random_weights': not args.checkpoint, 'autostart': False,
@@ -360,7 +424,9 @@ def ros(args, task: str, out: Path) -> list[dict]:
                     for m in shots]
             video = (write_video(out / f'ros_{task}_seed{seed}.mp4', pics)
                      if args.video else None)
-            episodes.append(episode_result(seed, rewards, wall, len(pics), video))
+            facts = ({k: bool(getattr(ours[-1], k)) for k in FACTS}
+                     if task == 'transfer_cube' else None)
+            episodes.append(episode_result(seed, rewards, wall, len(pics), video, facts))
             print(f'oxygen-eval: ROS episode {i + 1}/{args.episodes} seed {seed}: max reward '
                   f'{max(rewards):g}, {wall:.1f} s, {len(pics)} frames', flush=True)
     finally:
@@ -381,10 +447,11 @@ def main(argv=None) -> int:
     ap.add_argument('--env', choices=sorted(ENVS), default='aloha-insertion')
     ap.add_argument('--episodes', type=int, default=10)
     ap.add_argument('--seed', type=int, default=0, help='episode i has seed SEED + i')
-    ap.add_argument('--steps', type=int, default=300, help='steps of 0.02 s per episode '
-                    '(gym-aloha: 300)')
+    ap.add_argument('--steps', type=int, default=400, help='steps of 0.02 s per episode '
+                    "(LeRobot's episode_length for gym-aloha)")
     ap.add_argument('--direct', action='store_true', help='engine + scene without ROS')
-    ap.add_argument('--model', default='small', help='tiny, small, pi05 or a YAML path')
+    ap.add_argument('--model', default=None, help="tiny, small, pi05 or a YAML path; default: "
+                    "small without a checkpoint, else the checkpoint's own dims")
     ap.add_argument('--checkpoint', default='', help="LeRobot/openpi pi05 directory; '' = "
                     'random weights')
     ap.add_argument('--tokenizer', default='', help="the checkpoint's SentencePiece tokenizer "
@@ -406,8 +473,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.episodes < 1 or args.steps < 1:
         ap.error('--episodes and --steps must be >= 1')
+    if args.model is None:
+        args.model = '' if args.checkpoint else 'small'
     task = ENVS[args.env]
-    out = Path(args.out or tempfile.mkdtemp(prefix='oxygen-eval-'))
+    out = Path(args.out or tempfile.mkdtemp(prefix='oxygen-eval-')).resolve()
     out.mkdir(parents=True, exist_ok=True)
     from oxygen_ros.aloha_sim import egl, require
 
@@ -427,8 +496,11 @@ def main(argv=None) -> int:
     report['reward_plot'] = str(out / f'{mode}_rewards.png')
     path = out / f'{mode}_report.json'
     path.write_text(json.dumps(report, indent=1))
+    moved = (f', transferred {report["transfers"]}/{len(episodes)}' if 'transfers' in report
+             else '')
     print(f'oxygen-eval: {args.env} ({mode}): success {report["successes"]}/{len(episodes)} '
-          f'({100 * report["success_rate"]:.0f} %), avg max reward {report["avg_max_reward"]:.2f}'
+          f'({100 * report["success_rate"]:.0f} %){moved}, lift {report["lifts"]}/'
+          f'{len(episodes)}, avg max reward {report["avg_max_reward"]:.2f}'
           f', {report["wall_s_per_episode"]:.1f} s per episode; report {path}')
     return 0
 

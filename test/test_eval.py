@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,13 +19,28 @@ pytest.importorskip('gym_aloha', reason='the simulator is not installed (tools/w
 STEPS = 25  # 0.5 s of simulated time per episode
 
 
-def run_eval(tmp_path, *args):
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_eval(tmp_path, *args, installed=False):
+    """oxygen-eval on two short episodes. installed: the installed executable, run from the
+    repository root as the README's lines are (`ros2 run oxygen_ros oxygen_eval` after
+    `source install/setup.bash`), where `python -m` children would import the sources."""
     out = tmp_path / 'out'
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
-    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.eval', '--episodes', '2',
+    if installed:
+        from ament_index_python.packages import get_package_prefix
+
+        cmd = [sys.executable, str(Path(get_package_prefix('oxygen_ros')) / 'lib' / 'oxygen_ros'
+                                   / 'oxygen_eval')]
+        assert (ROOT / 'oxygen_ros' / '__init__.py').is_file()  # the sources are right here
+    else:
+        cmd = [sys.executable, '-m', 'oxygen_ros.eval']
+    r = subprocess.run([*cmd, '--episodes', '2',
                         '--seed', '10', '--steps', str(STEPS), '--model', 'small',
                         '--width', '160', '--height', '120', '--out', str(out), *args],
-                       capture_output=True, text=True, env=env, timeout=600)
+                       capture_output=True, text=True, env=env, timeout=600,
+                       cwd=ROOT if installed else None)
     logs = ''.join(f'\n== {p.name}\n{p.read_text()[-2000:]}' for p in out.glob('*.log'))
     assert r.returncode == 0, r.stdout + r.stderr + logs
     return out, r.stdout
@@ -57,8 +73,10 @@ def check(out, mode, task):
 
 def test_eval_through_ros(tmp_path):
     domain = str(random.randint(126, 140))
-    out, stdout = run_eval(tmp_path, '--env', 'aloha-insertion', '--domain', domain)
+    out, stdout = run_eval(tmp_path, '--env', 'aloha-insertion', '--domain', domain,
+                           installed=True)
     report = check(out, 'ros', 'insertion')
+    assert 'transfers' not in report  # no cube to hand over in the insertion
     # The node ran each episode: its log says it was activated twice.
     assert (out / 'node.log').read_text().count('active: commanding') == 2
     assert 'trajectory rejected' not in (out / 'robot.log').read_text()
@@ -67,5 +85,25 @@ def test_eval_through_ros(tmp_path):
 
 def test_eval_direct(tmp_path):
     out, stdout = run_eval(tmp_path, '--env', 'aloha-transfer-cube', '--direct')
-    check(out, 'direct', 'transfer_cube')
+    report = check(out, 'direct', 'transfer_cube')
+    # Random weights transfer nothing: the cube is still on the table at the end.
+    for e in report['per_episode']:
+        assert e['transferred'] is False
+        assert e['final_facts']['cube_touched_elsewhere'] and not e['final_facts']['cube_lifted']
+    assert report['transfers'] == 0 and report['transfer_95'][0] == 0.0
+    lo, hi = report['success_95']
+    assert lo <= report['success_rate'] <= hi
     assert not (out / 'node.log').exists()
+
+
+@pytest.mark.parametrize('k, n, lo, hi', [(5, 10, 0.2366, 0.7634), (0, 50, 0.0, 0.0714),
+                                          (50, 50, 0.9286, 1.0)])
+def test_wilson_intervals_are_the_textbooks(k, n, lo, hi):
+    # Wilson's score interval at z = 1.96: 0.2366..0.7634 for 5 of 10, and 0..0.0714 for 0 of
+    # 50 (where the normal approximation's interval is 0..0), as statistics texts give them;
+    # n of n mirrors 0 of n.
+    from oxygen_ros.eval import wilson
+
+    assert wilson(k, n) == pytest.approx((lo, hi), abs=1e-4)
+    (a, b), (c, d) = wilson(n - k, n), wilson(k, n)
+    assert (a, b) == pytest.approx((1 - d, 1 - c), abs=1e-12)
