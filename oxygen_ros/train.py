@@ -71,7 +71,7 @@ class Recipe:
     profile_options: dict  # the ALOHA profile's, as the robot file gives them
     frame_every: int = 2  # observations at every k-th step
     batch: int = 32
-    steps: int = 20000
+    steps: int = 12000
     lr: float = 5e-4
     min_lr: float = 5e-5
     warmup: int = 300
@@ -255,6 +255,16 @@ class Batches:
                     actions=torch.from_numpy(self.actions[idx]), text=seq, text_mask=loss_mask)
 
 
+def init_weights(model: Pi05) -> None:
+    """A start for training from scratch. PyTorch's N(0, 1) embedding, scaled by sqrt(width)
+    on the way in (as Gemma's) and read back as the tied LM head, would make the text
+    tokens ~11 times the size of everything else in the residual stream and the first
+    logits ~11 wide (a cross-entropy of 100 at the start): N(0, 1/width) keeps both near one.
+    The rest keeps PyTorch's defaults, and the norms their zero (a scale of one)."""
+    with torch.no_grad():
+        model.embed.weight.normal_(0.0, model.cfg.vlm.width ** -0.5)
+
+
 def flow_time(b: int, g: torch.Generator) -> torch.Tensor:
     """openpi's and LeRobot's training times: Beta(1.5, 1) * 0.999 + 0.001. Beta(a, 1) is
     U ** (1 / a), drawn from the generator so that a run is reproducible."""
@@ -317,6 +327,7 @@ class Trainer:
         self.val_batches = Batches(self.val, norm, self.tokenizer, self.cfg, recipe)
         torch.manual_seed(recipe.seed)
         self.model = Pi05(self.cfg)
+        init_weights(self.model)
         self.model.pack_head = False  # the packed CPU head is for inference, not autograd
         self.ema = {k: p.detach().clone() for k, p in self.model.named_parameters()}
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
@@ -431,16 +442,45 @@ class Trainer:
             log.write_text(''.join(json.dumps(e) + '\n' for e in self.log))
         return True
 
+    def start_from(self, checkpoint: Path) -> None:
+        """Go on from an exported checkpoint (the one kept in the repository, say) instead of
+        state.safetensors: its weights become the model and the average, its step the
+        schedule's; AdamW's moments start afresh and the sampler is seeded anew from the
+        step, so the run is not the one that was interrupted, only its continuation."""
+        from oxygen_ros.model.checkpoint import load_checkpoint
+
+        meta = json.loads((Path(checkpoint) / 'config.json').read_text())
+        trained = meta.get('training')
+        if not trained or trained.get('recipe') != self.recipe.__dict__:
+            raise ValueError(f'{checkpoint} was not exported by a run of this recipe')
+        model, _, _ = load_checkpoint(checkpoint, self.cfg)
+        weights = dict(model.named_parameters())
+        with torch.no_grad():
+            for k, p in self.model.named_parameters():
+                p.copy_(weights[k])
+                self.ema[k].copy_(weights[k])
+        self.step = int(trained['step'])
+        self.g.manual_seed(self.recipe.seed * 1_000_003 + self.step)
+        log = Path(checkpoint) / 'training_log.jsonl'
+        if log.is_file():  # the curve so far goes on in this run's log
+            self.log = [json.loads(x) for x in log.read_text().splitlines() if x]
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / 'log.jsonl').write_text(log.read_text())
+
     def export(self, path: Path) -> Path:
         """The moving-average weights as an openpi checkpoint directory, with its norm stats
         and tokenizer."""
         root = save_checkpoint(self._ema_model(), path, self.stats, self.recipe.asset_id)
         (root / 'tokenizer.model').write_bytes(self.tokenizer.model_proto())
         meta = json.loads((root / 'config.json').read_text())
-        meta['training'] = {'step': self.step, 'data': [p.name for p in self.train.files],
+        meta['training'] = {'step': self.step, 'recipe': self.recipe.__dict__,
+                            'data': [p.name for p in self.train.files],
                             'prompt': self.train.prompt, 'cameras': self.recipe.cameras,
                             'profile_options': self.recipe.profile_options}
         (root / 'config.json').write_text(json.dumps(meta, indent=2))
+        # The learning curve travels with the weights (a run may go on elsewhere from them).
+        (root / 'training_log.jsonl').write_text(''.join(json.dumps(e) + '\n'
+                                                         for e in self.log))
         return root
 
     # -- the loop ---------------------------------------------------------------------------
@@ -511,6 +551,9 @@ def main(argv=None) -> int:
     ap.add_argument('--batch', type=int, default=None)
     ap.add_argument('--seed', type=int, default=None)
     ap.add_argument('--resume', action='store_true', help='continue the run in --out')
+    ap.add_argument('--start-from', default='', metavar='CHECKPOINT',
+                    help="go on from an exported checkpoint of this recipe (weights and step; "
+                    "AdamW's moments start afresh) when --out holds no run")
     ap.add_argument('--stop-at', type=int, default=None,
                     help='stop after this step (saved; --resume goes on)')
     ap.add_argument('--threads', type=int, default=2)
@@ -529,6 +572,10 @@ def main(argv=None) -> int:
             return 2
         if args.resume and trainer.resume():
             print(f'oxygen-train: resumed at step {trainer.step}', file=sys.stderr)
+        elif args.start_from:
+            trainer.start_from(Path(args.start_from))
+            print(f'oxygen-train: going on from {args.start_from} at step {trainer.step}',
+                  file=sys.stderr)
         out.mkdir(parents=True, exist_ok=True)
         counts = trainer.model.param_counts()
         print(f'oxygen-train: {len(trainer.train)} training samples from '

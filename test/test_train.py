@@ -278,6 +278,9 @@ def test_a_resumed_run_is_the_run_uninterrupted(episodes, tmp_path):
     assert train.main(common + ['--out', str(parts), '--stop-at', '5']) == 2  # not a log step
     assert train.main(common + ['--out', str(parts), '--stop-at', '6']) == 0
     assert json.loads((parts / 'state.json').read_text())['step'] == 6
+    import shutil
+
+    at6 = shutil.copytree(parts / 'checkpoint', tmp_path / 'at6')
     assert train.main(common + ['--out', str(parts)]) == 2  # a run is there: --resume
     # Another recipe (here: more steps, another schedule) does not resume it.
     assert train.main(common + ['--out', str(parts), '--resume', '--steps', '18']) == 2
@@ -291,3 +294,17 @@ def test_a_resumed_run_is_the_run_uninterrupted(episodes, tmp_path):
     la, lb = ([{k: v for k, v in json.loads(x).items() if k != 's'}
                for x in (d / 'log.jsonl').read_text().splitlines()] for d in (whole, parts))
     assert la == lb
+
+    # From the exported checkpoint alone (what the repository keeps): the weights and the
+    # step go on, the curve so far with them; AdamW restarts, so it is a continuation only.
+    going = tmp_path / 'going'
+    assert train.main(common + ['--out', str(going), '--start-from', str(at6)]) == 0
+    lg = [json.loads(x) for x in (going / 'log.jsonl').read_text().splitlines()]
+    assert [e['step'] for e in lg] == [3, 6, 9, 12]
+    assert lg[:2] == [json.loads(x) for x in (at6 / 'training_log.jsonl').read_text()
+                      .splitlines()]
+    assert json.loads((going / 'state.json').read_text())['step'] == 12
+    other = recipe_file(tmp_path, seed=1)
+    assert train.main(['--data', str(episodes), '--recipe', str(other), '--threads', '1',
+                       '--no-progress', '--out', str(tmp_path / 'o'), '--start-from',
+                       str(at6)]) == 2  # another recipe's checkpoint
