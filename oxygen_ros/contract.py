@@ -495,11 +495,9 @@ class Config:
             required=[c for c in cams if c not in optional]
             + [f'joints:{s}' for s in self.joint_topics],
             optional=optional,
+            # Held samples may lie ahead of the clock by max_input_age (the Assembler's
+            # default), not max_future_stamp, which judges a stamp as it arrives.
             max_input_age=self.p['max_input_age'], max_skew=self.p['max_skew'],
-            # Held samples may lie ahead of the clock by what they may lag it: a jump back
-            # the jump detection missed is caught, and samples that came while the node was
-            # busy (converting images after it read its clock) are not.
-            max_ahead=self.p['max_input_age'],
             # One frame per image of the main camera: joint states come faster and would
             # otherwise rerun the model on the same images.
             trigger=[next(c for c in cams if c not in optional)])

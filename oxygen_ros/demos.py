@@ -358,8 +358,8 @@ class Observer:
         touch = self.touching() if touch is None else touch
         return bool(self.fingers[side] & touch) and max(self.gaps(side)) <= GRIP_TOL
 
-    def answers(self) -> dict[str, bool]:
-        touch = self.touching()
+    def answers(self, touch: set[int] | None = None) -> dict[str, bool]:
+        touch = self.touching() if touch is None else touch
         return {'cube_in_left': self.gripped('left', touch),
                 'cube_in_right': self.gripped('right', touch),
                 'cube_lifted': self.lowest() >= self.table + LIFTED}
@@ -368,9 +368,7 @@ class Observer:
         """answers, and whether anything but the left fingers touches the cube: at the end
         of a transfer the cube is held in the air by the left gripper alone."""
         touch = self.touching()
-        return {'cube_in_left': self.gripped('left', touch),
-                'cube_in_right': self.gripped('right', touch),
-                'cube_lifted': self.lowest() >= self.table + LIFTED,
+        return {**self.answers(touch),
                 'cube_touched_elsewhere': bool(touch - self.fingers['left'])}
 
     def in_gripper(self, side: str) -> tuple[np.ndarray, np.ndarray]:

@@ -71,13 +71,14 @@ def cameras(slots) -> list[tuple[str, str, str]]:
 
 
 def model_slots(args) -> tuple[str, ...]:
-    """The image slots of the policy the node will run."""
+    """The image slots of the policy the node will run (its files read, not its weights:
+    the node loads those)."""
     from oxygen_ros.model import load_config
-    from oxygen_ros.model.checkpoint import open_checkpoint
+    from oxygen_ros.model.checkpoint import checkpoint_slots
 
     if args.checkpoint:
-        return open_checkpoint(args.checkpoint, load_config(args.model) if args.model
-                               else None).slots
+        return checkpoint_slots(args.checkpoint, load_config(args.model) if args.model
+                                else None)
     return load_config(args.model).image_slots
 
 

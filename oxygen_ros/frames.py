@@ -74,7 +74,8 @@ class Assembler:
         self.max_skew = max_skew
         # A sample stamped further ahead of the clock than this (default: max_input_age) is
         # not usable: after the clock stepped back its age would stay negative and never
-        # reach max_input_age.
+        # reach max_input_age. No tighter by default: a sample that came while the node was
+        # busy (converting images after it read its clock) is legitimately a little ahead.
         self.max_ahead = max_input_age if max_ahead is None else max_ahead
         self.trigger = set(self.names if trigger is None else trigger)
         unknown = sorted(self.trigger - set(self.names))

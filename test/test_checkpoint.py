@@ -20,6 +20,7 @@ from oxygen_ros.model.checkpoint import (
     PG,
     VIT,
     CheckpointError,
+    checkpoint_slots,
     config_from_json,
     expected_shapes,
     infer_config,
@@ -370,6 +371,7 @@ def test_openpi_directory_facts(tmp_path):
     assert (ck.state_dim, ck.action_dim) == (3, 5)
     assert (ck.horizon, ck.n_action_steps, ck.denoise_steps) == (4, 4, None)
     assert ck.slots == load_config("tiny").image_slots and ck.info["asset_id"] == "trossen"
+    assert checkpoint_slots(openpi_dir(tmp_path / "s", image_slots=["top"])) == ("top",)
     assert ck.norm.modes == {"state": "QUANTILES", "actions": "QUANTILES"}
     x = ck.norm.normalize_state(np.array([0.5, 1.0, 2.0], np.float32))
     np.testing.assert_allclose(x, [1.5 / (2 + 1e-6) * 2 - 1, 1 / (2 + 1e-6) * 2 - 1, -1.0])
@@ -434,6 +436,9 @@ def test_model_dims_with_the_checkpoints_horizon(tmp_path):
         open_checkpoint(path)
     ck = open_checkpoint(path, dims=load_config("tiny"))
     assert (ck.model.cfg.action_horizon, ck.model.cfg.max_token_len) == (6, 30)
+    # Without our config section the slots are the given dims', read without the weights.
+    assert checkpoint_slots(path, load_config("tiny", image_slots=["a"])) == ("a",)
+    assert checkpoint_slots(path) == load_config("pi05").image_slots
     assert load_config("tiny").action_horizon == 4
     with pytest.raises(CheckpointError, match="does not match config 'small'"):
         open_checkpoint(path, dims=load_config("small"))

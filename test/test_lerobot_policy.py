@@ -151,6 +151,10 @@ def noise(seed=2):
 def test_facts_come_from_the_directory(tmp_path, weights):
     eng = engine(write_policy(tmp_path / 'p', weights))
     assert eng.slots == CAMERAS
+    # What oxygen-eval reads without the weights, the policy's cameras too.
+    from oxygen_ros.model.checkpoint import checkpoint_slots
+
+    assert checkpoint_slots(tmp_path / 'p', load_config('tiny')) == CAMERAS
     assert (eng.state_dim, eng.action_dim, eng.model_action_dim) == (STATE_DIM, ACTION_DIM, 8)
     assert (eng.action_horizon, eng.n_action_steps, eng.denoise_steps) == (CHUNK, N_STEPS,
                                                                           DENOISE)

@@ -245,6 +245,9 @@ def test_a_run_gives_a_checkpoint_the_engine_loads_and_feeds_alike(episodes, tmp
     engine = Engine(EngineConfig(checkpoint=str(ck), max_new_tokens=8))
     assert engine.tokenizer_from == 'found in the checkpoint directory'
     assert engine.slots == ('base_0_rgb',)
+    from oxygen_ros.model.checkpoint import checkpoint_slots
+
+    assert checkpoint_slots(ck) == engine.slots  # what oxygen-eval gives the node
     # The tensors training saw for a sample are those the engine builds for the observation.
     t = train.Trainer(train.Recipe.read(recipe_file(tmp_path)), episodes, tmp_path / 'x', 1,
                       progress=False)

@@ -345,6 +345,20 @@ def open_checkpoint(path, dims: ModelConfig | None = None, device="cpu", dtype=N
                       state_dim, action_dim, cfg.action_horizon, cfg.action_horizon, None, info)
 
 
+def checkpoint_slots(path, dims: ModelConfig | None = None) -> tuple[str, ...]:
+    """The image slots open_checkpoint(path, dims).slots gives, from the directory's
+    config files alone (no tensor is read): a LeRobot policy's cameras, the slots our own
+    config.json names, else those of `dims` or of pi0.5."""
+    _, root = _files(Path(path))
+    meta = json.loads((root / "config.json").read_text()) if (
+        root is not None and (root / "config.json").is_file()) else {}
+    if is_lerobot(meta):
+        return read_policy(root, meta, normalize=False).slots
+    if "image_slots" in meta.get("oxygen", {}):
+        return tuple(meta["oxygen"]["image_slots"])
+    return tuple((dims or load_config("pi05")).image_slots)
+
+
 def _open_lerobot(weights, root, meta, dims, device, dtype, normalize, conventions):
     policy = read_policy(root, meta, normalize)
     facts = dict(action_horizon=policy.horizon, max_token_len=policy.max_token_len,
