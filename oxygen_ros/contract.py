@@ -101,6 +101,11 @@ PARAMS = (
           low=0),
     Param('denoise_steps', 0, "flow-matching steps per action chunk; 0 = the checkpoint's "
           "(LeRobot's num_inference_steps), else 10", low=0),
+    Param('mode', 'oxygen', "how a frame's language runs beside its actions: 'oxygen' (one "
+          "shared prefill, narration decoded in one cross-frame batch), 'shared_kv' (one prefill, "
+          "the frame's language decoded to the end within the frame) or 'isolated' (as "
+          "shared_kv, with a second prefill for language): the paper's baselines, to measure",
+          choices=('oxygen', 'shared_kv', 'isolated')),
     Param('decode_k', 5, 'narration decode steps per frame; 0 = fit the frame budget', low=0,
           live=True),
     Param('frame_budget_ms', 0.0, 'time per frame (narration decoding fills what the actions '
@@ -218,7 +223,7 @@ ROBOT_KEYS = ('max_command_horizon', 'play_steps', 'max_future_stamp', 'limit_ho
               'narration_every_n_frames')
 
 ENGINE_KEYS = ('model', 'checkpoint', 'normalize', 'conventions', 'asset_id', 'tokenizer',
-               'device', 'threads', 'denoise_steps', 'decode_k', 'frame_budget_ms',
+               'device', 'threads', 'denoise_steps', 'mode', 'decode_k', 'frame_budget_ms',
                'max_requests', 'max_new_tokens', 'admission', 'temperature', 'seed',
                'prompt_format', 'compile', 'graphs', 'rtc', 'rtc_beta',
                'max_question_tokens')
@@ -425,7 +430,6 @@ class Config:
 
     def engine_settings(self) -> dict:
         d = {k: self.p[k] for k in ENGINE_KEYS}
-        d['mode'] = 'oxygen'
         # The engine's default budget is the chunk duration (action_horizon /
         # control_rate_hz). A frame that long ends as its chunk runs out, and the robot holds
         # until the next one: half of it leaves the other half for the latency of the next.
