@@ -106,6 +106,7 @@ def test_parameter_types_are_checked_by_name():
     ('decode_k', -1, 'must be >= 0'),
     ('admission', 'first', 'must be one of drop_oldest, reject_newest, wait'),
     ('robot', 'ur5', 'must be one of identity, aloha, droid'),
+    ('mode', 'parallel', 'must be one of oxygen, shared_kv, isolated'),
 ])
 def test_ranges_and_choices(name, value, message):
     with pytest.raises(StartError, match=f'parameter {name} {message}'):
@@ -166,6 +167,15 @@ def test_robot_file_against_what_the_checkpoint_states():
         cfg.check_engine(slots, 8, 6)
     with pytest.raises(StartError, match='8-d state but .* takes exactly 9'):
         cfg.check_engine(slots, 8, 9, exact_state=True)
+
+
+def test_the_engine_runs_the_scheduling_mode_the_node_is_given():
+    from oxygen_ros.engine.scheduler import MODES
+
+    assert Config.from_values(DROID).engine_settings()['mode'] == 'oxygen'
+    for mode in BY_NAME['mode'].choices:
+        assert mode in MODES
+        assert Config.from_values({**DROID, 'mode': mode}).engine_settings()['mode'] == mode
 
 
 def test_command_line_rules_for_this_node_only():
