@@ -67,6 +67,7 @@ PHASES = (('reaching for the cube', 110),
 QUESTIONS = {'cube_in_left': 'Is the cube in the left gripper?',
              'cube_in_right': 'Is the cube in the right gripper?',
              'cube_lifted': 'Is the cube lifted off the table?'}
+ANSWERS = {True: 'yes', False: 'no'}  # the text of an answer, as oxygen-train teaches it
 # The point between the finger pads, in gripper_link's frame: the pads are the last 3 cm of
 # the fingers (0.124..0.154 m along x); this is a centimetre short of the tips, so that a
 # cube centred on it is gripped over most of the pads' length.
@@ -383,6 +384,23 @@ def transferred(facts: dict[str, bool]) -> bool:
     """The cube handed over: in the air, in the left gripper, touched by nothing else."""
     return (facts['cube_in_left'] and facts['cube_lifted'] and not facts['cube_in_right']
             and not facts['cube_touched_elsewhere'])
+
+
+def phases_for(facts: dict[str, bool]) -> tuple[str, ...]:
+    """The PHASES the scene's state agrees with. In closed loop no script's clock says which
+    phase it is, so a narration is right when it names one of these: a phase agrees with the
+    facts the script's own episodes show in it (reaching: the cube in neither gripper;
+    grasping: not in the left, on the table; lifting: in the right, not the left; handing
+    over: in the right, in the air; releasing: in the left, in the air; holding: in the left
+    alone, in the air)."""
+    left, right, up = facts['cube_in_left'], facts['cube_in_right'], facts['cube_lifted']
+    agree = {'reaching for the cube': not left and not right,
+             'grasping the cube': not left and not up,
+             'lifting the cube': right and not left,
+             'handing the cube over': right and up,
+             'releasing the cube': left and up,
+             'holding the cube': left and up and not right}
+    return tuple(p for p, _ in PHASES if agree[p])
 
 
 def held_problem(trace: list[dict], names: dict[int, str], left: set[int]) -> str:
