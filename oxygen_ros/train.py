@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 
 from oxygen_ros.aloha_sim import finger_from_normalized
 from oxygen_ros.demo import config_dir
+from oxygen_ros.demos import ANSWERS
 from oxygen_ros.engine.engine import QUESTION_FORMAT
 from oxygen_ros.model import Pi05
 from oxygen_ros.model.checkpoint import save_checkpoint
@@ -60,7 +61,6 @@ from oxygen_ros.model.processing import NormStats, resize_with_pad, to_model_ima
 from oxygen_ros.model.tokenizer import Tokenizer, action_prompt
 from oxygen_ros.profiles import GRIPPER_JOINT_CLOSE, GRIPPER_JOINT_OPEN, make_profile
 
-ANSWERS = {True: 'yes', False: 'no'}
 RECIPE = 'train_transfer_cube.yaml'  # in the package's config directory
 
 
@@ -71,7 +71,7 @@ class Recipe:
     profile_options: dict  # the ALOHA profile's, as the robot file gives them
     frame_every: int = 2  # observations at every k-th step
     batch: int = 32
-    steps: int = 12000
+    steps: int = 4000
     lr: float = 5e-4
     min_lr: float = 5e-5
     warmup: int = 300
@@ -150,9 +150,11 @@ class Episodes:
             from tqdm import tqdm
             it = tqdm(files, desc='reading episodes', unit='ep', file=sys.stderr)
         self.prompt = None
+        self.seeds: list[int] = []  # each episode's (oxygen-demos' seed)
         self.questions: dict[str, str] = {}
         for e, path in enumerate(it):
             with h5py.File(path, 'r') as f:
+                self.seeds.append(int(f.attrs['seed']))
                 prompt = str(f.attrs['prompt'])
                 if self.prompt not in (None, prompt):
                     raise ValueError(f'{path}: prompt {prompt!r}, not {self.prompt!r}')
@@ -475,6 +477,7 @@ class Trainer:
         meta = json.loads((root / 'config.json').read_text())
         meta['training'] = {'step': self.step, 'recipe': self.recipe.__dict__,
                             'data': [p.name for p in self.train.files],
+                            'seeds': self.train.seeds,
                             'prompt': self.train.prompt, 'cameras': self.recipe.cameras,
                             'profile_options': self.recipe.profile_options}
         (root / 'config.json').write_text(json.dumps(meta, indent=2))
