@@ -36,6 +36,7 @@ import yaml
 
 from oxygen_ros.aloha_sim import (
     ARM_JOINTS,
+    CAMERAS,
     DT,
     SUCCESS_REWARD,
     Unstable,
@@ -43,7 +44,7 @@ from oxygen_ros.aloha_sim import (
     normalized_from_gripper,
 )
 from oxygen_ros.demo import config_dir
-from oxygen_ros.demos import Observer, transferred
+from oxygen_ros.demos import ANSWERS, QUESTIONS, Observer, phases_for, transferred
 
 ENVS = {'aloha-insertion': 'insertion', 'aloha-transfer-cube': 'transfer_cube'}
 LIFT_REWARD = 2  # gym-aloha's transfer-cube: 2 = the cube lifted in the right gripper
@@ -52,6 +53,11 @@ PROMPTS = {'insertion': 'Insert the peg into the socket.',
            'transfer_cube': 'Pick up the cube with the right arm and transfer it to the '
                             'left arm.'}
 VIDEO_FPS = 25
+# What the ROS path reads from the node's /diagnostics at the end of each episode: how old a
+# frame's chunk is when it comes out (and so when it starts playing), how far apart chunks
+# come, and how long a frame takes.
+NODE_FIGURES = ('action_latency_ms_p50', 'action_latency_ms_p99', 'chunk_interval_ms_p99',
+                'frame_ms_p50', 'frame_ms_p99')
 
 
 def robot_params(name: str = 'aloha.yaml') -> dict:
@@ -111,6 +117,20 @@ def summary(episodes: list[dict]) -> dict:
     if episodes and 'transferred' in episodes[0]:
         k = sum(e['transferred'] for e in episodes)
         out.update(transfers=k, transfer_rate=k / n, transfer_95=wilson(k, n))
+    for what in ('narrations', 'answers'):
+        if episodes and what in episodes[0]:
+            m = sum(e[what] for e in episodes)
+            k = sum(e[f'{what}_right'] for e in episodes)
+            out.update({what: m, f'{what}_right': k,
+                        f'{what}_accuracy': k / m if m else 0.0,
+                        f'{what}_95': wilson(k, m)})
+    if episodes and 'unanswered' in episodes[0]:
+        out['unanswered'] = sum(e['unanswered'] for e in episodes)
+    figures = [e['node'] for e in episodes if e.get('node')]
+    if figures:
+        # The median episode's: one slow start-up does not stand for the run.
+        out['node'] = {k: float(np.median([f[k] for f in figures if k in f]))
+                       for k in NODE_FIGURES if any(k in f for f in figures)}
     return out
 
 
@@ -129,6 +149,47 @@ def episode_result(seed: int, rewards: list[float], wall: float, frames: int,
         out['final_facts'] = dict(facts)
         out['transferred'] = bool(r) and r[-1] >= SUCCESS_REWARD and transferred(facts)
     return out
+
+
+def facts_at(steps: list[tuple[float, dict]], stamp: float) -> dict | None:
+    """The scene's facts in the picture stamped `stamp`: those of the last step at or before
+    it (the cameras render after a step, stamped with its time). `steps`: (stamp, facts),
+    in time order."""
+    times = [t for t, _ in steps]
+    i = int(np.searchsorted(times, stamp + 1e-6, side='right')) - 1
+    return steps[i][1] if i >= 0 else None
+
+
+def judge_narrations(narrations: list[tuple[float, str]],
+                     steps: list[tuple[float, dict]]) -> dict:
+    """Narrations (frame stamp, text) against the phases the scene's facts at that frame
+    agree with (demos.phases_for): right when the text is one of them."""
+    right, judged = 0, []
+    for stamp, text in narrations:
+        facts = facts_at(steps, stamp)
+        if facts is None:
+            continue
+        ok = text.strip().lower() in phases_for(facts)
+        right += ok
+        judged.append({'stamp': stamp, 'text': text, 'right': ok,
+                       'agrees': list(phases_for(facts))})
+    return {'narrations': len(judged), 'narrations_right': right, 'narrations_judged': judged}
+
+
+def judge_answers(answers: list[tuple[float, str, str]],
+                  steps: list[tuple[float, dict]]) -> dict:
+    """~/ask answers (frame stamp, fact asked about, text) against the scene's fact at
+    that frame: right when the text is ANSWERS[fact]."""
+    right, judged = 0, []
+    for stamp, key, text in answers:
+        facts = facts_at(steps, stamp)
+        if facts is None:
+            continue
+        ok = text.strip().lower() == ANSWERS[facts[key]]
+        right += ok
+        judged.append({'stamp': stamp, 'question': QUESTIONS[key], 'text': text,
+                       'truth': ANSWERS[facts[key]], 'right': ok})
+    return {'answers': len(judged), 'answers_right': right, 'answers_judged': judged}
 
 
 def write_video(path: Path, frames: list[np.ndarray], fps: int = VIDEO_FPS) -> str | None:
@@ -230,6 +291,72 @@ def direct(args, task: str, out: Path) -> list[dict]:
     return episodes
 
 
+def open_loop(args, out: Path) -> dict:
+    """The policy's chunks against what the script did, on recorded episodes it was not
+    trained on: at every `--open-loop-every`-th step of each episode in `--open-loop`, the
+    chunk predicted from that step's top camera and joints (as the direct path observes the
+    scene), decoded to the robot's targets, against the episode's recorded targets over the
+    chunk's horizon. Per joint: the mean absolute error over the horizon, and at its first,
+    middle and last action."""
+    import h5py
+
+    from oxygen_ros.engine import Engine, EngineConfig, Observation
+    from oxygen_ros.profiles import make_profile
+    from oxygen_ros.train import robot_state, robot_targets
+
+    p = robot_params()
+    profile = make_profile('aloha', **yaml.safe_load(p['profile_options']))
+    engine = Engine(EngineConfig(model=args.model, checkpoint=args.checkpoint,
+                                 tokenizer=args.tokenizer, device=args.device,
+                                 threads=args.threads, denoise_steps=args.denoise_steps))
+    # The seeds the checkpoint was trained on (oxygen-train records them): file names repeat
+    # from one oxygen-demos run to the next, seeds do not.
+    trained = set()
+    meta = Path(args.checkpoint) / 'config.json' if args.checkpoint else None
+    if meta is not None and meta.is_file():
+        trained = set(json.loads(meta.read_text()).get('training', {}).get('seeds', []))
+    files = []
+    for path in sorted(Path(args.open_loop).glob('episode_*.hdf5')):
+        with h5py.File(path, 'r') as f:
+            if int(f.attrs['seed']) not in trained:
+                files.append(path)
+    if not files:
+        raise RuntimeError(f'no episode in {args.open_loop} that the policy was not trained on')
+    files = files[:args.episodes]
+    slots = {c: s for c, _, s in cameras(engine.slots)}
+    horizon = engine.action_horizon
+    errors, names = [], []
+    for path in files:
+        with h5py.File(path, 'r') as f:
+            prompt = args.prompt or str(f.attrs['prompt'])
+            state = robot_state(f['observations/qpos'][()])
+            targets = robot_targets(f['action'][()])
+            images = {c: f[f'observations/images/{CAMERAS[c]}'] for c in slots}
+            for t in range(0, len(targets) - horizon + 1, args.open_loop_every):
+                obs = Observation(stamp=t * DT, images={slots[c]: images[c][t] for c in slots},
+                                  state=np.asarray(profile.encode_state(state[t]), np.float32),
+                                  prompt=prompt)
+                got = profile.decode_actions(engine.step(obs).actions, state[t])
+                errors.append(np.abs(got[:horizon] - targets[t:t + horizon]))
+                names.append(f'{path.name}@{t}')
+    e = np.stack(errors)  # [chunks, horizon, 14]
+    joints = [f'{side}/{j}' for side in ('left', 'right') for j in (*ARM_JOINTS, 'gripper')]
+    per = {j: {'mean': float(e[:, :, i].mean()), 'first': float(e[:, 0, i].mean()),
+               'middle': float(e[:, horizon // 2, i].mean()), 'last': float(e[:, -1, i].mean())}
+           for i, j in enumerate(joints)}
+    report = {'checkpoint': args.checkpoint or None, 'episodes': [f.name for f in files],
+              'chunks': len(names), 'every': args.open_loop_every, 'horizon': horizon,
+              'units': 'rad (arm joints and gripper servo)', 'per_joint': per,
+              'mean': float(e.mean())}
+    (out / 'open_loop_report.json').write_text(json.dumps(report, indent=1))
+    print(f'oxygen-eval: open loop on {len(files)} held-out episodes, {len(names)} chunks: '
+          f'mean |error| {report["mean"]:.4f} rad')
+    for j, v in per.items():
+        print(f'  {j:22s} mean {v["mean"]:.4f}  first {v["first"]:.4f}  middle '
+              f'{v["middle"]:.4f}  last {v["last"]:.4f}')
+    return report
+
+
 class Guard:
     """What the node does to every chunk, in short, for the direct path: each arm target
     clamped into aloha.yaml's joint range and moving no faster than its speed limit (the
@@ -270,20 +397,22 @@ def ros_env(domain: str | None) -> dict:
     return env
 
 
-def start_rig(out: Path, domain: str | None, name: str, overlay: dict) -> Processes:
+def start_rig(out: Path, domain: str | None, name: str, overlay: dict,
+              node_files: tuple = ()) -> Processes:
     """The MuJoCo ALOHA and oxygen_node as processes on pi05.yaml, aloha.yaml and
-    aloha_mujoco.yaml, then `overlay` (written to out/name); this process joins their
-    domain and DDS profile, to listen to them."""
+    aloha_mujoco.yaml, then `overlay` (written to out/name), then, for the node alone,
+    `node_files`; this process joins their domain and DDS profile, to listen to them."""
     cfg = config_dir()
     (out / name).write_text(yaml.safe_dump(overlay))
     files = [cfg / 'pi05.yaml', cfg / 'aloha.yaml', cfg / 'aloha_mujoco.yaml', out / name]
     params = [a for f in files for a in ('--params-file', str(f))]
+    ours = [a for f in node_files for a in ('--params-file', str(Path(f).resolve()))]
     env = ros_env(domain)
     os.environ.update({k: env[k] for k in ('ROS_DOMAIN_ID', 'ROS_AUTOMATIC_DISCOVERY_RANGE',
                                            'FASTRTPS_DEFAULT_PROFILES_FILE') if k in env})
     procs = Processes(out, env)
     procs.start('robot', 'oxygen_ros.mujoco_aloha', *params)
-    procs.start('node', 'oxygen_ros.node', *params)
+    procs.start('node', 'oxygen_ros.node', *params, *ours)
     return procs
 
 
@@ -322,13 +451,16 @@ class Processes:
 
 def ros(args, task: str, out: Path) -> list[dict]:
     import rclpy
+    from diagnostic_msgs.msg import DiagnosticArray
     from lifecycle_msgs.msg import Transition
     from lifecycle_msgs.srv import ChangeState
+    from rclpy.action import ActionClient
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import qos_profile_sensor_data
     from sensor_msgs.msg import Image
 
-    from oxygen_ros.msg import SimStep
+    from oxygen_ros.action import Ask
+    from oxygen_ros.msg import Narration, SimStep
     from oxygen_ros.mujoco_aloha import FACTS
     from oxygen_ros.srv import SimReset
 
@@ -341,12 +473,13 @@ def ros(args, task: str, out: Path) -> list[dict]:
                    'threads': args.threads, 'denoise_steps': args.denoise_steps,
                    'allow_random_weights': not args.checkpoint, 'autostart': False,
                    'prompt': args.prompt or PROMPTS[task], 'play_steps': args.play_steps,
-                   'narration_every_n_frames': 0}
+                   'mode': args.mode, 'narration_every_n_frames': args.narrate}
     procs = start_rig(out, args.domain, 'eval_params.yaml', {
         'oxygen_node': {'ros__parameters': node_params},
         'oxygen_mujoco_aloha': {'ros__parameters': {
             'task': task, 'seed': args.seed, 'real_time_factor': args.real_time_factor,
-            'image_width': args.width, 'image_height': args.height}}})
+            'image_width': args.width, 'image_height': args.height}}},
+        node_files=args.params_file)
 
     context = rclpy.Context()
     rclpy.init(context=context)
@@ -356,9 +489,74 @@ def ros(args, task: str, out: Path) -> list[dict]:
     frames: list = []
     from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-    node.create_subscription(
-        SimStep, '/oxygen_mujoco_aloha/step', lambda m: _add(lock, steps, m),
-        QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE))
+    reliable = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
+    narrations: list = []  # (frame stamp, text) of each ended narration
+    answers: list = []  # (frame stamp, fact asked about, text) of each answered question
+    diagnostics: dict = {}  # the node's latest /diagnostics values
+    # The question out (the step it went at, or None), how many went, for which episode, and
+    # how many got no answer (refused, ended otherwise, or lost).
+    asking = {'open': None, 'n': 0, 'episode': None, 'unanswered': 0}
+    ask = ActionClient(node, Ask, '/oxygen_node/ask')
+    every = round(args.ask_every / DT) if args.ask_every > 0 else 0
+
+    def on_answer(key, future):
+        r = future.result().result
+        with lock:
+            asking['open'] = None
+            if r.reason in (Ask.Result.DONE, Ask.Result.BUDGET):
+                stamp = r.stamp.sec + r.stamp.nanosec * 1e-9
+                answers.append((stamp, key, r.text))
+                if args.show_language:
+                    print(f'  ~/ask at {stamp:7.2f} s: {QUESTIONS[key]} {r.text.strip()}',
+                          flush=True)
+            else:
+                asking['unanswered'] += 1
+
+    def on_goal(key, future):
+        handle = future.result()
+        if not handle.accepted:
+            with lock:
+                asking['open'] = None
+                asking['unanswered'] += 1
+            return
+        handle.get_result_async().add_done_callback(lambda f: on_answer(key, f))
+
+    def on_step(m):
+        _add(lock, steps, m)
+        # One question at a time, every `every` steps of an episode being run; one without
+        # an answer for a second of simulated time counts as unanswered.
+        with lock:
+            sent = asking['open']
+            if sent is not None and m.step - sent > round(1.0 / DT):
+                asking['open'] = sent = None
+                asking['unanswered'] += 1
+            due = (every and m.step % every == 0 and not m.done and sent is None
+                   and asking['episode'] == m.episode and ask.server_is_ready())
+            if due:
+                asking['open'] = m.step
+                key = sorted(QUESTIONS)[asking['n'] % len(QUESTIONS)]
+                asking['n'] += 1
+        if due:
+            ask.send_goal_async(Ask.Goal(question=QUESTIONS[key])).add_done_callback(
+                lambda f: on_goal(key, f))
+
+    def on_narration(m):
+        if m.done:
+            stamp = m.header.stamp.sec + m.header.stamp.nanosec * 1e-9
+            _add(lock, narrations, (stamp, m.text))
+            if args.show_language:
+                print(f'  narration at {stamp:7.2f} s: {m.text.strip()}', flush=True)
+
+    def on_diagnostics(m):
+        for st in m.status:
+            if st.name.startswith('oxygen_node'):
+                with lock:
+                    diagnostics.clear()
+                    diagnostics.update({kv.key: kv.value for kv in st.values})
+
+    node.create_subscription(SimStep, '/oxygen_mujoco_aloha/step', on_step, reliable)
+    node.create_subscription(Narration, '/oxygen_node/narration', on_narration, reliable)
+    node.create_subscription(DiagnosticArray, '/diagnostics', on_diagnostics, 10)
     cam_topic = robot_params()['camera_topics'][0]  # cam_high
     node.create_subscription(Image, cam_topic, lambda m: _add(lock, frames, m),
                              qos_profile_sensor_data)
@@ -395,6 +593,8 @@ def ros(args, task: str, out: Path) -> list[dict]:
                 raise RuntimeError(f'reset failed: {r.message}')
             since = r.stamp.sec + r.stamp.nanosec * 1e-9
             t0 = time.monotonic()
+            with lock:
+                asking['episode'] = r.episode
             transition('activate')
             limit = t0 + args.steps * DT / 0.02 + 120  # a 50x slower than real time floor
             while True:
@@ -408,6 +608,10 @@ def ros(args, task: str, out: Path) -> list[dict]:
                                        f'{procs.log("robot")[-2000:]}')
                 time.sleep(0.02)
             wall = time.monotonic() - t0
+            with lock:
+                asking['episode'] = asking['open'] = None
+                unanswered, asking['unanswered'] = asking['unanswered'], 0
+                diag = dict(diagnostics)
             transition('deactivate')
             time.sleep(0.2)  # the hold trajectory arrives before the next reset
             with lock:
@@ -417,6 +621,10 @@ def ros(args, task: str, out: Path) -> list[dict]:
                          if since <= m.header.stamp.sec + m.header.stamp.nanosec * 1e-9 <= end]
                 steps[:] = [m for m in steps if m.episode != r.episode]
                 frames.clear()
+                said = [x for x in narrations if since <= x[0] <= end]
+                told = [x for x in answers if since <= x[0] <= end]
+                narrations.clear()
+                answers.clear()
             rewards = [m.reward for m in ours]
             if len(rewards) != args.steps:
                 raise RuntimeError(f'episode {i + 1}: {len(rewards)} step messages of '
@@ -428,9 +636,17 @@ def ros(args, task: str, out: Path) -> list[dict]:
             facts = ({k: bool(getattr(ours[-1], k)) for k in FACTS}
                      if task == 'transfer_cube' else None)
             episodes.append(episode_result(seed, rewards, wall, len(pics), video, facts))
+            if task == 'transfer_cube':
+                scene = [(m.header.stamp.sec + m.header.stamp.nanosec * 1e-9,
+                          {k: bool(getattr(m, k)) for k in FACTS}) for m in ours]
+                episodes[-1].update(judge_narrations(said, scene))
+                episodes[-1].update(judge_answers(told, scene), unanswered=unanswered)
+            # The node's own figures over the episode's last chunks (its clock: simulated).
+            episodes[-1]['node'] = {k: float(diag[k]) for k in NODE_FIGURES if k in diag}
             print(f'oxygen-eval: ROS episode {i + 1}/{args.episodes} seed {seed}: max reward '
                   f'{max(rewards):g}, {wall:.1f} s, {len(pics)} frames', flush=True)
     finally:
+        ask.destroy()
         ex.shutdown(timeout_sec=1.0)
         node.destroy_node()
         rclpy.try_shutdown(context=context)
@@ -463,13 +679,32 @@ def main(argv=None) -> int:
     ap.add_argument('--play-steps', type=int, default=0, help='actions played per chunk; '
                     "0 = the checkpoint's n_action_steps (direct) / the node's default")
     ap.add_argument('--prompt', default='', help="'' = LeRobot's task description")
+    ap.add_argument('--mode', default='oxygen', choices=('oxygen', 'shared_kv', 'isolated'),
+                    help="ROS path: the node's scheduling of language beside actions")
+    ap.add_argument('--narrate', type=int, default=0, metavar='N',
+                    help="ROS path: a narration every N frames (the node's "
+                         'narration_every_n_frames); 0 = none')
+    ap.add_argument('--ask-every', type=float, default=0.0, metavar='S',
+                    help='ROS path, transfer-cube: a ~/ask question about the cube every S '
+                         'simulated seconds, judged against the scene; 0 = none')
     ap.add_argument('--width', type=int, default=640)
     ap.add_argument('--height', type=int, default=480)
     ap.add_argument('--real-time-factor', type=float, default=1.0,
                     help='ROS path: simulated s per wall s at most; 0 = unpaced')
+    ap.add_argument('--show-language', action='store_true',
+                    help='ROS path: print each narration and answer as it ends')
+    ap.add_argument('--params-file', action='append', default=[], metavar='YAML',
+                    help='ROS path: a parameters file for the node alone, after the robot '
+                         "files (a robot file's change, say); may be repeated")
     ap.add_argument('--domain', default=None, help='ROS_DOMAIN_ID for the ROS path')
     ap.add_argument('--startup-timeout', type=float, default=180.0)
     ap.add_argument('--no-video', dest='video', action='store_false')
+    ap.add_argument('--open-loop', default='', metavar='DIR',
+                    help="instead of closed loop: the policy's chunks against the recorded "
+                         "targets of DIR's episodes (oxygen-demos') it was not trained on, "
+                         'at most --episodes of them')
+    ap.add_argument('--open-loop-every', type=int, default=25, metavar='K',
+                    help='open loop: a chunk at every K-th step')
     ap.add_argument('--out', default='', help='report directory (default: a new temp dir)')
     args = ap.parse_args(argv)
     if args.episodes < 1 or args.steps < 1:
@@ -481,6 +716,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from oxygen_ros.aloha_sim import egl, require
 
+    if args.open_loop:
+        if args.open_loop_every < 1:
+            ap.error('--open-loop-every must be >= 1')
+        try:
+            open_loop(args, out)
+        except RuntimeError as e:
+            print(f'oxygen-eval: {e}', file=sys.stderr)
+            return 1
+        return 0
     require()
     egl()
     mode = 'direct' if args.direct else 'ros'
@@ -503,6 +747,11 @@ def main(argv=None) -> int:
           f'({100 * report["success_rate"]:.0f} %){moved}, lift {report["lifts"]}/'
           f'{len(episodes)}, avg max reward {report["avg_max_reward"]:.2f}'
           f', {report["wall_s_per_episode"]:.1f} s per episode; report {path}')
+    for what, asked in (('narrations', args.narrate), ('answers', args.ask_every)):
+        if what in report and asked:
+            print(f'oxygen-eval: {what} right {report[what + "_right"]}/{report[what]}'
+                  + (f', {report["unanswered"]} questions unanswered'
+                     if what == 'answers' else ''), flush=True)
     return 0
 
 

@@ -107,3 +107,44 @@ def test_wilson_intervals_are_the_textbooks(k, n, lo, hi):
     assert wilson(k, n) == pytest.approx((lo, hi), abs=1e-4)
     (a, b), (c, d) = wilson(n - k, n), wilson(k, n)
     assert (a, b) == pytest.approx((1 - d, 1 - c), abs=1e-12)
+
+
+def test_narrations_and_answers_are_judged_by_the_scene_at_their_frame():
+    from oxygen_ros.eval import facts_at, judge_answers, judge_narrations
+
+    def facts(left, right, up):
+        return {'cube_in_left': left, 'cube_in_right': right, 'cube_lifted': up,
+                'cube_touched_elsewhere': right}
+
+    # Steps of 0.02 s: on the table, in the right gripper in the air, in the left alone.
+    scene = [(0.02, facts(False, False, False)), (0.04, facts(False, True, True)),
+             (0.06, facts(True, False, True))]
+    assert facts_at(scene, 0.01) is None  # before the first step: nothing to judge by
+    assert facts_at(scene, 0.02) == scene[0][1] and facts_at(scene, 0.05) == scene[1][1]
+    assert facts_at(scene, 0.0400000001) == scene[1][1]  # a stamp rounded to nanoseconds
+    got = judge_narrations([(0.02, 'reaching for the cube'), (0.02, 'holding the cube'),
+                            (0.045, ' Lifting the cube\n'), (0.06, 'releasing the cube'),
+                            (0.06, 'releasing the cube.'), (0.001, 'anything')], scene)
+    assert got['narrations'] == 5 and got['narrations_right'] == 3
+    assert [j['right'] for j in got['narrations_judged']] == [True, False, True, True, False]
+    got = judge_answers([(0.02, 'cube_lifted', 'no'), (0.04, 'cube_in_right', 'yes'),
+                         (0.04, 'cube_in_left', 'yes'), (0.06, 'cube_in_left', 'yes '),
+                         (0.06, 'cube_lifted', 'maybe')], scene)
+    assert got['answers'] == 5 and got['answers_right'] == 3
+    assert [j['truth'] for j in got['answers_judged']] == ['no', 'yes', 'no', 'yes', 'yes']
+
+
+def test_the_summary_counts_narrations_answers_and_the_nodes_figures():
+    from oxygen_ros.eval import episode_result, summary
+
+    eps = []
+    for seed, (n, k, lat) in enumerate([(10, 9, 40.0), (6, 3, 60.0), (0, 0, 500.0)]):
+        e = episode_result(seed, [0.0, 2.0, 4.0], 1.0, 0, None)
+        e.update(narrations=n, narrations_right=k, answers=2, answers_right=1,
+                 node={'action_latency_ms_p50': lat})
+        eps.append(e)
+    s = summary(eps)
+    assert (s['narrations'], s['narrations_right']) == (16, 12)
+    assert s['narrations_accuracy'] == 0.75 and s['answers_accuracy'] == 0.5
+    assert s['narrations_95'][0] < 0.75 < s['narrations_95'][1]
+    assert s['node'] == {'action_latency_ms_p50': 60.0}  # the median episode's
