@@ -33,6 +33,12 @@ def config_dir() -> Path:
         return Path(__file__).resolve().parents[1] / 'config'
 
 
+def shipped_policy() -> Path:
+    """The checkpoint the package ships: pi0.5 trained on scripted transfer-cube
+    demonstrations of the MuJoCo ALOHA (its README is the model card)."""
+    return config_dir().parent / 'models' / 'aloha_sim_transfer_cube'
+
+
 def first_group_topic(params_file: Path) -> str:
     with open(params_file) as f:
         doc = yaml.safe_load(f)
