@@ -711,6 +711,13 @@ def main(argv=None) -> int:
         ap.error('--episodes and --steps must be >= 1')
     if args.model is None:
         args.model = '' if args.checkpoint else 'small'
+    # The node runs in the report directory (see Processes.start): paths given from here
+    # must not depend on this working directory.
+    for key in ('checkpoint', 'tokenizer', 'model'):
+        value = getattr(args, key)
+        if value and (key != 'model' or Path(value).suffix in ('.yaml', '.yml')
+                      or Path(value).is_file()):
+            setattr(args, key, str(Path(value).resolve()))
     task = ENVS[args.env]
     out = Path(args.out or tempfile.mkdtemp(prefix='oxygen-eval-')).resolve()
     out.mkdir(parents=True, exist_ok=True)

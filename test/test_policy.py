@@ -24,12 +24,12 @@ POLICY = shipped_policy()
 OPEN_LOOP_SHARE = 0.25  # of a blind policy's error
 
 
-def evaluate(tmp_path, *args):
+def evaluate(tmp_path, *args, checkpoint=POLICY, cwd=None):
     out = tmp_path / 'out'
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
     r = subprocess.run([sys.executable, '-m', 'oxygen_ros.eval', '--env', 'aloha-transfer-cube',
-                        '--checkpoint', str(POLICY), '--no-video', '--out', str(out), *args],
-                       capture_output=True, text=True, env=env, timeout=900)
+                        '--checkpoint', str(checkpoint), '--no-video', '--out', str(out), *args],
+                       capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
     logs = ''.join(f'\n== {p.name}\n{p.read_text()[-3000:]}' for p in out.glob('*.log'))
     assert r.returncode == 0, r.stdout + r.stderr + logs
     name = 'open_loop' if '--open-loop' in args else 'direct' if '--direct' in args else 'ros'
@@ -68,3 +68,17 @@ def test_open_loop_chunks_follow_the_script_on_a_held_out_episode(tmp_path):
         targets = robot_targets(f['action'][()])
     blind = float(np.abs(targets - targets.mean(0)).mean())
     assert report['mean'] < OPEN_LOOP_SHARE * blind, (report['mean'], blind)
+
+
+def test_a_relative_checkpoint_narrates_and_answers_through_ros(tmp_path):
+    """oxygen-eval's ROS path given the checkpoint relative to where it is run (the node
+    runs elsewhere, in the report directory): the node loads it, and narrations and ~/ask
+    answers come back judged."""
+    from test_node import new_domain
+
+    here = POLICY.parent.parent
+    report, out = evaluate(tmp_path, '--seed', '0', '--episodes', '1', '--steps', '150',
+                           '--domain', new_domain(), '--narrate', '1', '--ask-every', '0.5',
+                           checkpoint=POLICY.relative_to(here), cwd=here)
+    assert report['narrations'] > 0 and report['answers'] > 0, report
+    assert str(POLICY) in (out / 'eval_params.yaml').read_text()
