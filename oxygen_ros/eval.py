@@ -155,41 +155,52 @@ def facts_at(steps: list[tuple[float, dict]], stamp: float) -> dict | None:
     """The scene's facts in the picture stamped `stamp`: those of the last step at or before
     it (the cameras render after a step, stamped with its time). `steps`: (stamp, facts),
     in time order."""
-    times = [t for t, _ in steps]
-    i = int(np.searchsorted(times, stamp + 1e-6, side='right')) - 1
-    return steps[i][1] if i >= 0 else None
+    return _scene(steps)(stamp)
+
+
+def _scene(steps: list[tuple[float, dict]]):
+    """facts_at over `steps`, their times read once for all the stamps judged."""
+    times = np.array([t for t, _ in steps])
+
+    def at(stamp: float) -> dict | None:
+        i = int(np.searchsorted(times, stamp + 1e-6, side='right')) - 1
+        return steps[i][1] if i >= 0 else None
+    return at
+
+
+def _judge(what: str, said: list[tuple], steps: list[tuple[float, dict]], verdict) -> dict:
+    """Each (frame stamp, ...) in `said` that has a scene to be judged by: verdict(item,
+    facts) -> (right, the record kept of it)."""
+    at, right, judged = _scene(steps), 0, []
+    for item in said:
+        facts = at(item[0])
+        if facts is not None:
+            ok, record = verdict(item, facts)
+            right += ok
+            judged.append({'stamp': item[0], **record, 'right': ok})
+    return {what: len(judged), f'{what}_right': right, f'{what}_judged': judged}
 
 
 def judge_narrations(narrations: list[tuple[float, str]],
                      steps: list[tuple[float, dict]]) -> dict:
     """Narrations (frame stamp, text) against the phases the scene's facts at that frame
     agree with (demos.phases_for): right when the text is one of them."""
-    right, judged = 0, []
-    for stamp, text in narrations:
-        facts = facts_at(steps, stamp)
-        if facts is None:
-            continue
-        ok = text.strip().lower() in phases_for(facts)
-        right += ok
-        judged.append({'stamp': stamp, 'text': text, 'right': ok,
-                       'agrees': list(phases_for(facts))})
-    return {'narrations': len(judged), 'narrations_right': right, 'narrations_judged': judged}
+    def verdict(item, facts):
+        agrees = phases_for(facts)
+        return item[1].strip().lower() in agrees, {'text': item[1], 'agrees': list(agrees)}
+    return _judge('narrations', narrations, steps, verdict)
 
 
 def judge_answers(answers: list[tuple[float, str, str]],
                   steps: list[tuple[float, dict]]) -> dict:
     """~/ask answers (frame stamp, fact asked about, text) against the scene's fact at
     that frame: right when the text is ANSWERS[fact]."""
-    right, judged = 0, []
-    for stamp, key, text in answers:
-        facts = facts_at(steps, stamp)
-        if facts is None:
-            continue
-        ok = text.strip().lower() == ANSWERS[facts[key]]
-        right += ok
-        judged.append({'stamp': stamp, 'question': QUESTIONS[key], 'text': text,
-                       'truth': ANSWERS[facts[key]], 'right': ok})
-    return {'answers': len(judged), 'answers_right': right, 'answers_judged': judged}
+    def verdict(item, facts):
+        _, key, text = item
+        truth = ANSWERS[facts[key]]
+        return text.strip().lower() == truth, {'question': QUESTIONS[key], 'text': text,
+                                               'truth': truth}
+    return _judge('answers', answers, steps, verdict)
 
 
 def write_video(path: Path, frames: list[np.ndarray], fps: int = VIDEO_FPS) -> str | None:
@@ -229,18 +240,25 @@ def plot_rewards(path: Path, episodes: list[dict], title: str):
 
 # -- the direct path: engine + scene, no ROS ---------------------------------------------------
 
-def direct(args, task: str, out: Path) -> list[dict]:
-    from oxygen_ros.aloha_sim import AlohaSim
-    from oxygen_ros.engine import Engine, EngineConfig, Observation
+def policy(args, p: dict):
+    """(profile, engine, {camera: image slot}) of the direct path and open loop: the engine
+    alone on the checkpoint, the ALOHA profile as robot file `p` sets it."""
+    from oxygen_ros.engine import Engine, EngineConfig
     from oxygen_ros.profiles import make_profile
 
-    p = robot_params()
     profile = make_profile('aloha', **yaml.safe_load(p['profile_options']))
     engine = Engine(EngineConfig(model=args.model, checkpoint=args.checkpoint,
                                  tokenizer=args.tokenizer, device=args.device,
-                                 threads=args.threads,
-                                 denoise_steps=args.denoise_steps))
-    slots = {c: s for c, _, s in cameras(engine.slots)}
+                                 threads=args.threads, denoise_steps=args.denoise_steps))
+    return profile, engine, {c: s for c, _, s in cameras(engine.slots)}
+
+
+def direct(args, task: str, out: Path) -> list[dict]:
+    from oxygen_ros.aloha_sim import AlohaSim
+    from oxygen_ros.engine import Observation
+
+    p = robot_params()
+    profile, engine, slots = policy(args, p)
     play = args.play_steps or engine.n_action_steps or engine.action_horizon
     prompt = args.prompt or PROMPTS[task]
     # As the node refuses it: past max_token_len the tokenizer would cut off the state.
@@ -300,15 +318,10 @@ def open_loop(args, out: Path) -> dict:
     middle and last action."""
     import h5py
 
-    from oxygen_ros.engine import Engine, EngineConfig, Observation
-    from oxygen_ros.profiles import make_profile
+    from oxygen_ros.engine import Observation
     from oxygen_ros.train import robot_state, robot_targets
 
-    p = robot_params()
-    profile = make_profile('aloha', **yaml.safe_load(p['profile_options']))
-    engine = Engine(EngineConfig(model=args.model, checkpoint=args.checkpoint,
-                                 tokenizer=args.tokenizer, device=args.device,
-                                 threads=args.threads, denoise_steps=args.denoise_steps))
+    profile, engine, slots = policy(args, robot_params())
     # The seeds the checkpoint was trained on (oxygen-train records them): file names repeat
     # from one oxygen-demos run to the next, seeds do not.
     trained = set()
@@ -323,7 +336,6 @@ def open_loop(args, out: Path) -> dict:
     if not files:
         raise RuntimeError(f'no episode in {args.open_loop} that the policy was not trained on')
     files = files[:args.episodes]
-    slots = {c: s for c, _, s in cameras(engine.slots)}
     horizon = engine.action_horizon
     errors, names = [], []
     for path in files:
@@ -491,61 +503,43 @@ def ros(args, task: str, out: Path) -> list[dict]:
 
     reliable = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
     narrations: list = []  # (frame stamp, text) of each ended narration
-    answers: list = []  # (frame stamp, fact asked about, text) of each answered question
     diagnostics: dict = {}  # the node's latest /diagnostics values
-    # The question out (the step it went at, or None), how many went, for which episode, and
-    # how many got no answer (refused, ended otherwise, or lost).
-    asking = {'open': None, 'n': 0, 'episode': None, 'unanswered': 0}
+    asker = Asker(round(args.ask_every / DT) if args.ask_every > 0 else 0)
     ask = ActionClient(node, Ask, '/oxygen_node/ask')
-    every = round(args.ask_every / DT) if args.ask_every > 0 else 0
 
     def on_answer(key, future):
         r = future.result().result
         with lock:
-            asking['open'] = None
             if r.reason in (Ask.Result.DONE, Ask.Result.BUDGET):
-                stamp = r.stamp.sec + r.stamp.nanosec * 1e-9
-                answers.append((stamp, key, r.text))
+                asker.answered(seconds(r.stamp), key, r.text)
                 if args.show_language:
-                    print(f'  ~/ask at {stamp:7.2f} s: {QUESTIONS[key]} {r.text.strip()}',
-                          flush=True)
+                    print(f'  ~/ask at {seconds(r.stamp):7.2f} s: {QUESTIONS[key]} '
+                          f'{r.text.strip()}', flush=True)
             else:
-                asking['unanswered'] += 1
+                asker.unanswered()
 
     def on_goal(key, future):
         handle = future.result()
         if not handle.accepted:
             with lock:
-                asking['open'] = None
-                asking['unanswered'] += 1
+                asker.unanswered()
             return
         handle.get_result_async().add_done_callback(lambda f: on_answer(key, f))
 
     def on_step(m):
-        _add(lock, steps, m)
-        # One question at a time, every `every` steps of an episode being run; one without
-        # an answer for a second of simulated time counts as unanswered.
         with lock:
-            sent = asking['open']
-            if sent is not None and m.step - sent > round(1.0 / DT):
-                asking['open'] = sent = None
-                asking['unanswered'] += 1
-            due = (every and m.step % every == 0 and not m.done and sent is None
-                   and asking['episode'] == m.episode and ask.server_is_ready())
-            if due:
-                asking['open'] = m.step
-                key = sorted(QUESTIONS)[asking['n'] % len(QUESTIONS)]
-                asking['n'] += 1
-        if due:
+            steps.append(m)
+            key = asker.due(m.episode, m.step, m.done) if ask.server_is_ready() else None
+        if key is not None:
             ask.send_goal_async(Ask.Goal(question=QUESTIONS[key])).add_done_callback(
                 lambda f: on_goal(key, f))
 
     def on_narration(m):
         if m.done:
-            stamp = m.header.stamp.sec + m.header.stamp.nanosec * 1e-9
-            _add(lock, narrations, (stamp, m.text))
+            _add(lock, narrations, (seconds(m.header.stamp), m.text))
             if args.show_language:
-                print(f'  narration at {stamp:7.2f} s: {m.text.strip()}', flush=True)
+                print(f'  narration at {seconds(m.header.stamp):7.2f} s: {m.text.strip()}',
+                      flush=True)
 
     def on_diagnostics(m):
         for st in m.status:
@@ -591,10 +585,10 @@ def ros(args, task: str, out: Path) -> list[dict]:
             r = call(reset, SimReset.Request(seed=seed, steps=args.steps), 30.0)
             if not r.success:
                 raise RuntimeError(f'reset failed: {r.message}')
-            since = r.stamp.sec + r.stamp.nanosec * 1e-9
+            since = seconds(r.stamp)
             t0 = time.monotonic()
             with lock:
-                asking['episode'] = r.episode
+                asker.start(r.episode)
             transition('activate')
             limit = t0 + args.steps * DT / 0.02 + 120  # a 50x slower than real time floor
             while True:
@@ -609,22 +603,19 @@ def ros(args, task: str, out: Path) -> list[dict]:
                 time.sleep(0.02)
             wall = time.monotonic() - t0
             with lock:
-                asking['episode'] = asking['open'] = None
-                unanswered, asking['unanswered'] = asking['unanswered'], 0
+                told, unanswered = asker.end()
                 diag = dict(diagnostics)
             transition('deactivate')
             time.sleep(0.2)  # the hold trajectory arrives before the next reset
             with lock:
                 ours = sorted((m for m in steps if m.episode == r.episode), key=lambda m: m.step)
-                end = ours[-1].header.stamp.sec + ours[-1].header.stamp.nanosec * 1e-9
-                shots = [m for m in frames
-                         if since <= m.header.stamp.sec + m.header.stamp.nanosec * 1e-9 <= end]
+                end = seconds(ours[-1].header.stamp)
+                shots = [m for m in frames if since <= seconds(m.header.stamp) <= end]
                 steps[:] = [m for m in steps if m.episode != r.episode]
                 frames.clear()
                 said = [x for x in narrations if since <= x[0] <= end]
-                told = [x for x in answers if since <= x[0] <= end]
+                told = [x for x in told if since <= x[0] <= end]
                 narrations.clear()
-                answers.clear()
             rewards = [m.reward for m in ours]
             if len(rewards) != args.steps:
                 raise RuntimeError(f'episode {i + 1}: {len(rewards)} step messages of '
@@ -637,8 +628,8 @@ def ros(args, task: str, out: Path) -> list[dict]:
                      if task == 'transfer_cube' else None)
             episodes.append(episode_result(seed, rewards, wall, len(pics), video, facts))
             if task == 'transfer_cube':
-                scene = [(m.header.stamp.sec + m.header.stamp.nanosec * 1e-9,
-                          {k: bool(getattr(m, k)) for k in FACTS}) for m in ours]
+                scene = [(seconds(m.header.stamp), {k: bool(getattr(m, k)) for k in FACTS})
+                         for m in ours]
                 episodes[-1].update(judge_narrations(said, scene))
                 episodes[-1].update(judge_answers(told, scene), unanswered=unanswered)
             # The node's own figures over the episode's last chunks (its clock: simulated).
@@ -657,6 +648,52 @@ def ros(args, task: str, out: Path) -> list[dict]:
 def _add(lock, items, m):
     with lock:
         items.append(m)
+
+
+def seconds(stamp) -> float:
+    """A builtin_interfaces/Time in seconds."""
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+class Asker:
+    """When the ROS path asks ~/ask about the cube: one question at a time, at every
+    `every`-th step of the episode being run, the facts' questions in turn; a question
+    without an answer for a second of simulated time, refused or ended otherwise counts as
+    unanswered. Not thread-safe: the caller holds its lock."""
+
+    def __init__(self, every: int):
+        self.every, self.asked = every, 0
+        self.episode = self.open = None  # the episode run; the step the question out went at
+        self.answers: list = []  # (frame stamp, fact asked about, text)
+        self.missed = 0
+
+    def start(self, episode: int):
+        self.episode, self.open, self.answers, self.missed = episode, None, [], 0
+
+    def due(self, episode: int, step: int, done: bool) -> str | None:
+        """The fact to ask about at this step, if a question is due."""
+        if self.open is not None and step - self.open > round(1.0 / DT):
+            self.unanswered()
+        if (not self.every or step % self.every or done or self.open is not None
+                or episode != self.episode):
+            return None
+        self.open = step
+        self.asked += 1
+        return sorted(QUESTIONS)[(self.asked - 1) % len(QUESTIONS)]
+
+    def answered(self, stamp: float, key: str, text: str):
+        self.open = None
+        self.answers.append((stamp, key, text))
+
+    def unanswered(self):
+        self.open = None
+        self.missed += 1
+
+    def end(self) -> tuple[list, int]:
+        """(answers, unanswered) of the episode; no more questions until the next start."""
+        out = (self.answers, self.missed)
+        self.start(None)
+        return out
 
 
 def main(argv=None) -> int:

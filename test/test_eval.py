@@ -148,3 +148,26 @@ def test_the_summary_counts_narrations_answers_and_the_nodes_figures():
     assert s['narrations_accuracy'] == 0.75 and s['answers_accuracy'] == 0.5
     assert s['narrations_95'][0] < 0.75 < s['narrations_95'][1]
     assert s['node'] == {'action_latency_ms_p50': 60.0}  # the median episode's
+
+
+def test_the_ros_path_asks_one_question_at_a_time_in_turn():
+    from oxygen_ros.demos import QUESTIONS
+    from oxygen_ros.eval import Asker
+
+    a = Asker(every=25)
+    assert a.due(episode=1, step=0, done=False) is None  # no episode started
+    a.start(1)
+    assert a.due(2, 0, False) is None  # another episode's step
+    first = a.due(1, 0, False)
+    assert first == sorted(QUESTIONS)[0]
+    assert a.due(1, 25, False) is None  # the first is still out
+    a.answered(0.0, first, 'no')
+    assert a.due(1, 30, False) is None and a.due(1, 50, True) is None  # not due; ended
+    second = a.due(1, 75, False)
+    assert second == sorted(QUESTIONS)[1]
+    # No answer within a second of simulated time (50 steps): unanswered, the next goes out.
+    assert a.due(1, 100, False) is None and a.due(1, 125, False) is None
+    assert a.due(1, 150, False) == sorted(QUESTIONS)[2]
+    a.unanswered()  # refused
+    assert a.end() == ([(0.0, first, 'no')], 2)
+    assert a.due(1, 175, False) is None  # ended: no more questions

@@ -32,8 +32,8 @@ def evaluate(tmp_path, *args, checkpoint=POLICY, cwd=None):
                        capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
     logs = ''.join(f'\n== {p.name}\n{p.read_text()[-3000:]}' for p in out.glob('*.log'))
     assert r.returncode == 0, r.stdout + r.stderr + logs
-    name = 'open_loop' if '--open-loop' in args else 'direct' if '--direct' in args else 'ros'
-    report = json.loads((out / f'{name}_report.json').read_text())
+    [path] = out.glob('*_report.json')  # open_loop_, direct_ or ros_report.json
+    report = json.loads(path.read_text())
     print(r.stdout)
     return report, out
 
