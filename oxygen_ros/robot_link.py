@@ -121,6 +121,9 @@ class Ready:
     handover: object  # engine.Handover or None
 
 
+UNDISCOVERED = 'a node not yet discovered by name'
+
+
 class RobotLink:
     """``node``: the rclpy node whose entities, clock and logger the link uses; ``cfg`` the
     robot's checked Config; ``name`` '' for the node's one robot."""
@@ -726,7 +729,10 @@ class RobotLink:
         me = (self.node.get_name(), self.node.get_namespace())
         out = {}
         for topic in topics or self.topics():
-            names = sorted({f'{i.node_namespace.rstrip("/")}/{i.node_name}'
+            # rmw names a publisher whose node it has not discovered yet (a host just back
+            # from a partition) _NODE_NAME_UNKNOWN_.
+            names = sorted({UNDISCOVERED if i.node_name == '_NODE_NAME_UNKNOWN_' else
+                            f'{i.node_namespace.rstrip("/")}/{i.node_name}'
                             for i in self.node.get_publishers_info_by_topic(topic)
                             if (i.node_name, i.node_namespace) != me})
             if names:

@@ -31,6 +31,7 @@ from test_launch import HAVE_LAUNCH, NO_LAUNCH, installed  # noqa: E402
 from test_node import WINDOW, keeps_commanding, wait_for  # noqa: E402
 
 from oxygen_ros import fleet_file  # noqa: E402
+from oxygen_ros.robot_link import UNDISCOVERED  # noqa: E402
 
 WHY_NOT = hosts.why_not()
 needs_netns = pytest.mark.skipif(WHY_NOT is not None, reason=f'no network namespaces: {WHY_NOT}')
@@ -78,12 +79,13 @@ class Site:
         return '\n'.join(f'--- {n}\n{self.log(n)[-2500:]}' for n in names)
 
     def commanding(self, robot, alive=lambda: True):
-        # Five processes share this machine's two cores here (three sim robots rendering and
-        # encoding cameras, two models), so each node's control loop runs below its rate
-        # (its own control_publish_hz reads 47-61 Hz of 70 in a quiet run). What this checks
+        # Five or six processes share this machine's two cores here (three sim robots
+        # rendering and encoding cameras, two or three models), so each node's control loop
+        # runs below its rate (its own control_publish_hz reads 47-61 Hz of 70 in a quiet
+        # run, 15-40 Hz while a healed standby decodes images beside it). What this checks
         # across the link is that the robot is commanded, not held (a hold is one message,
-        # then silence): half the rate over the window; test_node holds the 90% bar.
-        return keeps_commanding(self.listen.arrivals(robot), self.rate, alive, live=0.5)
+        # then silence): a quarter of the rate over the window; test_node holds the 90% bar.
+        return keeps_commanding(self.listen.arrivals(robot), self.rate, alive, live=0.25)
 
     def latency(self, node, robot):
         return self.listen.diag.get(f'{node}: {robot}', {}).get('values', {})
@@ -119,8 +121,12 @@ def site(tmp_path_factory):
             start('robots', r, [str(lib / 'oxygen_sim_robot'), '--ros-args', '--params-file',
                                 robot_file, '-r', f'__ns:=/{r}'])
         # The subtask format: a pi05 prompt with the 8-d state does not fit the tiny model.
+        # Actions at 10 Hz: the tiny model's 4-action chunk spans 0.4 s (0.27 s at the sim's
+        # 15 Hz), the slack a node serving two robots needs on two loaded cores before its
+        # chunk runs out (as test_node's).
         node = dict(sim, model='tiny', prompt_format='subtask', device='cpu', threads=1,
-                    report_period=1.0, narration_every_n_frames=0, **node_extra)
+                    action_rate_hz=10.0, report_period=1.0, narration_every_n_frames=0,
+                    **node_extra)
 
         def start_node(server, host, standby, autostart):
             name = fleet_file.node_name(server, standby)
@@ -379,8 +385,11 @@ def test_a_healed_partition_never_gives_a_robot_two_commanders(site):
                     in site.log(STANDBY), 30), site.tails(STANDBY)
     text = site.log(STANDBY)
     for r in mine:
-        assert (f'robot {r}: another node commands this robot: /{r}/{arm_topic}'
-                f' <- /{primary}') in text, text[-3000:]
+        # Right after the partition heals, the standby may hear gpu_a's node before
+        # discovery has brought its name.
+        said = [f'robot {r}: another node commands this robot: /{r}/{arm_topic} <- {who}'
+                for who in (f'/{primary}', UNDISCOVERED)]
+        assert any(x in text for x in said), text[-3000:]
     assert 'leaving commanding to it (this node was not commanding)' in text, text[-3000:]
     assert 'holding and leaving commanding' not in text, text[-3000:]
     b = site.procs[fleet_file.node_name('gpu_b')]
