@@ -66,6 +66,15 @@ PARAMS = (
           'lifecycle transitions'),
     Param('allow_random_weights', False, "let a robot profile other than 'identity' activate "
           "without a checkpoint (random weights: for timing and simulation only)"),
+    Param('command', True, "false: shadow mode. The node runs as when commanding but sends "
+          "its trajectories to ~/shadow/<group> (a fleet's robot: ~/<robot>/shadow/<group>) "
+          "instead of the controllers, leaves them to another commander (an operator's "
+          "teleop) and reports in diagnostics how far its predictions are from the measured "
+          "motion. Setting it true is refused while another node commands the robot or a "
+          "joint's mean error over the last 5 s is above shadow_margin", live=True),
+    Param('shadow_margin', 0.1, "largest mean |predicted - measured| of any joint over the last "
+          "5 s (rad, or the joint's unit) with which shadow mode may turn to commanding",
+          low=0.0, above=True, high=10.0, live=True),
     Param('max_command_horizon', 0.5, 's; no published trajectory point lies further ahead; '
           '10 s holds a 50-action chunk at 5 Hz', low=0.0, above=True, high=10.0, live=True),
     Param('play_steps', 0, 'play only the first n actions of each chunk, then hold unless a '
@@ -214,7 +223,8 @@ FLEET_PARAMS = (
           "'' = none"),
 )
 FLEET_BY_NAME = {p.name: p for p in FLEET_PARAMS}
-ROBOT_KEYS = ('max_command_horizon', 'play_steps', 'max_future_stamp', 'limit_hold_margin',
+ROBOT_KEYS = ('command', 'shadow_margin', 'max_command_horizon', 'play_steps',
+              'max_future_stamp', 'limit_hold_margin',
               'publish_predicted', 'robot', 'profile_options', 'cameras', 'camera_topics',
               'camera_slots', 'camera_transports', 'optional_cameras', 'image_qos',
               'max_image_pixels', 'max_image_bytes',

@@ -16,6 +16,8 @@ COMMON = [
     ('device', '', "cpu or cuda; '' keeps the files' value"),
     ('autostart', '', "true: configure and activate at once; false: wait for lifecycle "
      "transitions; '' keeps the files' value"),
+    ('command', '', "false: shadow mode (trajectories to ~/shadow/<group>, not the "
+     "controllers); true: command; '' keeps the files' value"),
     ('use_sim_time', 'false', 'follow /clock'),
     ('log_level', 'info', 'debug, info, warn, error'),
 ]
@@ -39,10 +41,11 @@ def overrides(arg: dict) -> dict:
     for name in ('checkpoint', 'tokenizer', 'device'):
         if arg[name]:
             out[name] = arg[name]
-    if arg['autostart']:
-        if arg['autostart'] not in ('true', 'false'):
-            raise ValueError(f'autostart:={arg["autostart"]} must be true or false')
-        out['autostart'] = arg['autostart'] == 'true'
+    for name in ('autostart', 'command'):
+        if arg[name]:
+            if arg[name] not in ('true', 'false'):
+                raise ValueError(f'{name}:={arg[name]} must be true or false')
+            out[name] = arg[name] == 'true'
     return out
 
 

@@ -267,13 +267,40 @@ class OxygenNode(LifecycleNode):
                     reason = f'{label}{e}'
                     self.log.warning(f'parameter {param.name} not set: {reason}')
                     return SetParametersResult(successful=False, reason=reason)
+            if name == 'command' and value:
+                why = self._may_command([only] if only is not None else links.values())
+                if why:
+                    self.log.warning(f'parameter {param.name} not set: {why}')
+                    return SetParametersResult(successful=False, reason=why)
             checked[param.name] = (name, value, only)
         for full, (name, value, only) in checked.items():
             self._apply(name, value, only, full)
         return SetParametersResult(successful=True)
 
+    def _may_command(self, links) -> str | None:
+        """Why shadow mode may not turn to commanding these robots now, or None. Inactive,
+        nothing is checked: activating listens for other commanders itself."""
+        if self.state != 'active':
+            return None
+        for link in links:
+            if link.cfg.p['command']:
+                continue
+            why = link.commanders() or link.shadow_problem()
+            if why:
+                return f'{link.label()}not commanding: {why}'
+        return None
+
     def _apply(self, name: str, value, only=None, full: str = ''):
         links = self.links if only is None else [only]
+        if name == 'command':
+            for link in links:  # a single robot's Config is the node's: before that is set
+                if link.cfg.p['command'] != value:
+                    link.set_command(value)
+            if only is None:
+                self.cfg.p[name] = value
+            self.log.info(f'parameter {full or name} = {value!r}: '
+                          + ('commanding' if value else 'shadow mode, not commanding'))
+            return
         with self._lock:
             if only is None:
                 self.cfg.p[name] = value
@@ -343,7 +370,8 @@ class OxygenNode(LifecycleNode):
         # Never two commanders: where another node has a publisher on a trajectory topic,
         # listen for what it sends before taking the robot.
         for link in self.links:
-            other = link.commanders(listen=cfg.p['commander_check'])
+            # A robot in shadow mode is another's to command (an operator's, say).
+            other = link.cfg.p['command'] and link.commanders(listen=cfg.p['commander_check'])
             if other:
                 msg = f'refusing to activate: {link.label()}{other}'
                 self.log.error(msg)
@@ -356,8 +384,9 @@ class OxygenNode(LifecycleNode):
         self._start_threads()
         for link in self.links:
             link.asks.activate(RobotAsks(self.engine, link.name) if self.fleet else self.engine)
-        self.log.info('active: commanding ' + ', '.join(
-            t for link in self.links for t in link.topics()))
+        self.log.info('active: ' + '; '.join(
+            ('commanding ' if link.cfg.p['command'] else 'shadow mode, not commanding ')
+            + ', '.join(link.topics()) for link in self.links))
         return SUCCESS
 
     def on_deactivate(self, state) -> TransitionCallbackReturn:
@@ -727,6 +756,9 @@ class OxygenNode(LifecycleNode):
             # Another node commanding a robot: this one gives way (link.give_way); with no
             # robot left to command, the node deactivates.
             for link in self.links:
+                if not link.cfg.p['command']:
+                    link.heard()  # shadow mode: the operator's; heard when it was sent
+                    continue
                 other = link.commanders()
                 if other:
                     link.give_way(other)

@@ -33,6 +33,7 @@ from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_r
 from oxygen_ros.images import Camera
 from oxygen_ros.limits import describe as describe_limits
 from oxygen_ros.playback import Command, Player, make_chunk, runs_out
+from oxygen_ros.shadow import WINDOW_S, Shadow
 
 # How long a robot's diagnostics show ERROR after a fault of the node's own code (s): long
 # enough for a 1 Hz diagnostics listener to see it.
@@ -268,7 +269,16 @@ class RobotLink:
         self.predicted_pub = (node.create_publisher(JointTrajectory,
                                                     f'{priv}/predicted_trajectory', reliable)
                               if cfg.p['publish_predicted'] else None)
-        self._ros += [*self.traj_pubs.values(), self.narration_pub, self.text_pub,
+        # Shadow mode (command: false): the same trajectories, where no controller listens.
+        self.shadow_pubs = {g.name: node.create_publisher(
+            JointTrajectory, f'{priv}/shadow/{g.name}', reliable) for g in cfg.groups}
+        names: list = [None] * cfg.profile.action_dim
+        for g in cfg.groups:
+            for j, i in zip(g.joints, g.indices, strict=True):
+                names[i] = f'{g.name}/{j}'
+        self.shadow = Shadow(names)
+        self._ros += [*self.traj_pubs.values(), *self.shadow_pubs.values(),
+                      self.narration_pub, self.text_pub,
                       *([self.predicted_pub] if self.predicted_pub else [])]
         self._msgs = dict(JointTrajectory=JointTrajectory, Narration=Narration, String=String)
         name = node.resolve_topic_name
@@ -418,6 +428,29 @@ class RobotLink:
     def _input_failed(self, sub, e: Exception):
         self.fault(f'handling a message on {sub.topic_name} failed (message dropped): '
                    f'{type(e).__name__}: {e}', traceback.format_exc())
+
+    def set_command(self, on: bool):
+        """Shadow mode off (on=True: the node commands) or on. Leaving commanding holds the
+        robot first, on the controllers' topics, as a stop does (braking within its
+        limits); taking it over starts from the readings with the next chunk, as
+        activating does."""
+        if not on and self.commanding():
+            self.stop_commanding('shadow mode: leaving commanding')
+            self.tick()  # the hold goes out while this link still commands
+        with self._tick_lock:
+            with self.lock:
+                self.shadow.clear()
+                self.cfg.p['command'] = on
+            if self.player is not None:
+                if on:
+                    self.player.drop()
+                else:
+                    self.player.forget()
+
+    def shadow_problem(self) -> str | None:
+        """Why shadow mode may not turn to commanding now, or None."""
+        with self.lock:
+            return self.shadow.disagreement(self.cfg.p['shadow_margin'])
 
     def stop_commanding(self, why: str):
         if self.player is not None:
@@ -820,6 +853,8 @@ class RobotLink:
         with self.lock:
             if self.active and not listening:
                 self.player.play(chunk)
+            if not self.cfg.p['command']:
+                self.shadow.chunk(chunk)
         if listening:
             self.reporter.report('commanders:listening', 'inputs are back after '
                                  f'{self.cfg.p["commander_check"]:g} s or more: listening '
@@ -959,6 +994,10 @@ class RobotLink:
             if gap > 1.5 * period:
                 self._stats['missed_ticks'] += int(round(gap / period)) - 1
         self._ticks.append(t)
+        if not self.cfg.p['command']:
+            q, stamps = self._hold_at()
+            with self.lock:
+                self.shadow.measured(q, stamps)
         try:
             cmd = self.player.tick(self.now(), self._measured, self._hold_at)
         except ValueError as e:
@@ -999,8 +1038,11 @@ class RobotLink:
                                                time_from_start=d)
                           for p, v, d in zip(pos, vel, durations, strict=True)]
             data = serialize_message(msg)
-            self._sent_bytes(data)
-            self.traj_pubs[g.name].publish(data)
+            if self.cfg.p['command']:
+                self._sent_bytes(data)
+                self.traj_pubs[g.name].publish(data)
+            else:
+                self.shadow_pubs[g.name].publish(data)
         self._sent_cmd = (time.monotonic(), cmd.times.copy(), cmd.positions.copy())
         if cmd.hold:
             self._stats['holds'] += 1
@@ -1044,6 +1086,14 @@ class RobotLink:
         s['chunk_interval_ms_p99'] = float(np.percentile(apart, 99) * 1e3)
         s['chunk_ms'] = 1e3 * self.cfg.action_period * action_horizon
         s.update(self._stats)
+        if not self.cfg.p['command']:
+            with self.lock:
+                errors = self.shadow.errors()
+            for j, (mean, most, _) in errors.items():
+                s[f'shadow_error_mean.{j}'] = mean
+                s[f'shadow_error_max.{j}'] = most
+            s['shadow_error_mean_worst'] = max((m for m, _, _ in errors.values()),
+                                               default=float('nan'))
         return s
 
     def counts(self) -> dict:
@@ -1071,6 +1121,11 @@ class RobotLink:
             return 'WARN', f'not commanding: {self.yielded}'
         if not active:
             return 'OK', 'inactive: not commanding'
+        if not self.cfg.p['command']:
+            worst = s.get('shadow_error_mean_worst', float('nan'))
+            return 'OK', ('shadow mode: not commanding; ' + (
+                f'predictions {worst:.3f} from the measured joints at worst (mean over '
+                f'{WINDOW_S:g} s)' if math.isfinite(worst) else 'nothing compared yet'))
         if holding:
             return 'WARN', f'holding: {self.hold_reason or "no fresh actions"}'
         return 'OK', (f'{s["control_publish_hz"]:.0f} Hz commands, '

@@ -94,7 +94,7 @@ def test_launch_description_declares_the_arguments():
     ld = mod.generate_launch_description()
     declared = {a.name for a in ld.get_launch_arguments()}
     assert declared == {'robot', 'params_file', 'checkpoint', 'tokenizer', 'device', 'autostart',
-                        'namespace', 'use_sim_time', 'log_level', 'sim'}
+                        'command', 'namespace', 'use_sim_time', 'log_level', 'sim'}
 
 
 def listen(domain, topic_traj, topic_text, seconds):
