@@ -435,6 +435,13 @@ class Config:
         return cfg
 
     @property
+    def output_names(self) -> dict[int, str]:
+        """Action index -> '<group>/<joint>' of the joint it drives, group by group (ALOHA's
+        two arms share joint names: the group tells them apart)."""
+        return {i: f'{g.name}/{j}' for g in self.groups
+                for j, i in zip(g.joints, g.indices, strict=True)}
+
+    @property
     def random_weights(self) -> bool:
         return not self.p['checkpoint']
 

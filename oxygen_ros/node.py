@@ -285,7 +285,7 @@ class OxygenNode(LifecycleNode):
         for link in links:
             if link.cfg.p['command']:
                 continue
-            why = link.commanders() or link.shadow_problem()
+            why = link.shadow_problem()
             if why:
                 return f'{link.label()}not commanding: {why}'
         return None

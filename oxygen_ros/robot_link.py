@@ -272,11 +272,8 @@ class RobotLink:
         # Shadow mode (command: false): the same trajectories, where no controller listens.
         self.shadow_pubs = {g.name: node.create_publisher(
             JointTrajectory, f'{priv}/shadow/{g.name}', reliable) for g in cfg.groups}
-        names: list = [None] * cfg.profile.action_dim
-        for g in cfg.groups:
-            for j, i in zip(g.joints, g.indices, strict=True):
-                names[i] = f'{g.name}/{j}'
-        self.shadow = Shadow(names)
+        names = cfg.output_names
+        self.shadow = Shadow([names.get(i) for i in range(cfg.profile.action_dim)])
         self._ros += [*self.traj_pubs.values(), *self.shadow_pubs.values(),
                       self.narration_pub, self.text_pub,
                       *([self.predicted_pub] if self.predicted_pub else [])]
@@ -292,7 +289,7 @@ class RobotLink:
             + f'; control {cfg.p["control_rate_hz"]:g} Hz, actions every '
             f'{cfg.action_period * 1e3:.1f} ms, commands reach at most '
             f'{cfg.p["max_command_horizon"]:g} s ahead; '
-            + describe_limits(cfg.limits, [f'{g.name}/{j}' for g in cfg.groups for j in g.joints]))
+            + describe_limits(cfg.limits, list(cfg.output_names.values())))
 
     def topics(self) -> list[str]:
         return [self.node.resolve_topic_name(join(self.prefix, g.topic)) for g in self.cfg.groups]
@@ -448,7 +445,11 @@ class RobotLink:
                     self.player.forget()
 
     def shadow_problem(self) -> str | None:
-        """Why shadow mode may not turn to commanding now, or None."""
+        """Why shadow mode may not turn to commanding now, or None: another node still
+        commands the robot, or the prediction disagrees with its motion."""
+        other = self.commanders()
+        if other:
+            return other
         with self.lock:
             return self.shadow.disagreement(self.cfg.p['shadow_margin'])
 
@@ -878,9 +879,9 @@ class RobotLink:
         msg = self._msgs['JointTrajectory']()
         msg.header.stamp.sec = int(chunk.stamp)
         msg.header.stamp.nanosec = int((chunk.stamp - int(chunk.stamp)) * 1e9) % 1_000_000_000
-        idx = [i for g in self.cfg.groups for i in g.indices]
-        # Group-qualified names: ALOHA's two arms share joint names.
-        msg.joint_names = [f'{g.name}/{j}' for g in self.cfg.groups for j in g.joints]
+        names = self.cfg.output_names
+        idx = list(names)
+        msg.joint_names = list(names.values())
         for i, (p, v) in enumerate(zip(chunk.positions[:, idx], chunk.velocities[:, idx],
                                        strict=True)):
             msg.points.append(JointTrajectoryPoint(positions=p.tolist(), velocities=v.tolist(),

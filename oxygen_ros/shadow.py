@@ -41,11 +41,12 @@ class Shadow:
         that chunk reaches it; else None."""
         for c in reversed(self._chunks):
             if c.stamp <= stamp:
-                times = c.stamp + c.period * np.arange(len(c.positions))
-                if stamp > times[-1]:
+                k = (stamp - c.stamp) / c.period  # in actions from the chunk's first
+                if k > len(c.positions) - 1 + 1e-9:  # past its last action
                     return None
-                return np.array([np.interp(stamp, times, c.positions[:, i])
-                                 for i in range(c.positions.shape[1])])
+                i = min(int(k), len(c.positions) - 2) if len(c.positions) > 1 else 0
+                w = k - i
+                return c.positions[i] * (1 - w) + c.positions[min(i + 1, len(c.positions) - 1)] * w
         return None
 
     def measured(self, q: np.ndarray, stamps: np.ndarray):
