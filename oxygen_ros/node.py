@@ -64,7 +64,8 @@ from oxygen_ros.contract import (
     robot_key,
 )
 from oxygen_ros.frames import Reporter
-from oxygen_ros.robot_link import RobotLink, problem_key
+from oxygen_ros.inputs import problem_key
+from oxygen_ros.robot_link import RobotLink
 
 __all__ = ['OxygenNode', 'main', 'problem_key']
 

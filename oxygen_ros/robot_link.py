@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import math
-import re
 import threading
 import time
 import traceback
@@ -29,8 +28,8 @@ from rclpy.serialization import serialize_message
 
 from oxygen_ros.clock import BACK_S, JumpWatch
 from oxygen_ros.contract import Config
-from oxygen_ros.frames import JointReadings, Reporter, image_problem, image_to_rgb
-from oxygen_ros.images import Camera
+from oxygen_ros.frames import Reporter
+from oxygen_ros.inputs import Inputs, problem_key
 from oxygen_ros.limits import describe as describe_limits
 from oxygen_ros.playback import Command, Player, make_chunk, runs_out
 from oxygen_ros.shadow import WINDOW_S, Shadow
@@ -38,25 +37,6 @@ from oxygen_ros.shadow import WINDOW_S, Shadow
 # How long a robot's diagnostics show ERROR after a fault of the node's own code (s): long
 # enough for a 1 Hz diagnostics listener to see it.
 FAULT_SHOWN_S = 5.0
-# A reading may move a limited joint this much faster than its speed limit, over the time
-# between two stamps plus this much stamp jitter, before it counts as a glitch.
-GLITCH_SLACK = 0.5
-GLITCH_SLACK_S = 0.02
-
-
-def problem_key(kind: str, text: str) -> str:
-    """The Reporter key of a problem: its kind and the words of `text` that say what went
-    wrong. Numbers (ages, counts) change every time, and what a sender controls (an encoding,
-    a format string, payload bytes) is quoted or in brackets in the messages: the key ends
-    before the first of those, so a sender cannot make new keys."""
-    words = re.split(r"""['"(\[{<]""", re.sub(r'[-\d.]+', '#', text), maxsplit=1)[0]
-    return kind + ':' + words[:80].rstrip()
-
-
-def seconds(stamp) -> float:
-    return stamp.sec + stamp.nanosec * 1e-9
-
-
 def duration(dt: float):
     from builtin_interfaces.msg import Duration
 
@@ -188,22 +168,10 @@ class RobotLink:
         self.prompt = cfg.p['prompt']
         self.narrate_now = False
         self.frames = 0
-        self.assembler = cfg.assembler()
         self.player = Player(cfg.p['max_command_horizon'], cfg.p['play_steps'],
                              hold_after=1.0 / cfg.p['control_rate_hz'], limits=cfg.limits)
-        # Each source's state joints, and the controllers' joints for a hold at measured
-        # positions.
-        self._readings = {s: JointReadings(w, [j for src, j in cfg.hold_sources.values()
-                                               if src == s])
-                          for s, w in cfg.wanted.items()}
-        # Per source, what a reading of a limited controller joint may be: (lowest, highest,
-        # speed); outside, or faster than the joint moves from its last reading, a glitch.
-        self._plausible: dict[str, dict[str, tuple[float, float, float]]] = {}
-        if cfg.limits is not None:
-            lim = cfg.limits
-            for i, (src, joint) in cfg.hold_sources.items():
-                self._plausible.setdefault(src, {})[joint] = (
-                    lim.lower[i] - lim.margin[i], lim.upper[i] + lim.margin[i], lim.speed[i])
+        self.inputs = Inputs(cfg, self.reporter, self.now)
+        self.assembler = self.inputs.assembler
         self._sent_cmd = None  # (monotonic time, times, positions) of the last command sent
         self._setup_ros()
 
@@ -224,18 +192,15 @@ class RobotLink:
         # control tick, and 50 deep holds 0.1 s of a 500 Hz stream should a tick run late.
         # A compressed image is decoded when taken (the engine thread, before a frame), so
         # only the newest of each camera is; one that does not decode is dropped there.
-        caps = cfg.p['max_image_pixels'], cfg.p['max_image_bytes']
-        self._decoders = {cam: Camera('auto', *caps) for cam, t in cfg.transports.items()
-                          if t == 'compressed'}
         self.image_subs = [
-            sub(CompressedImage, join(pre, topic), lambda m, c=cam: self._on_compressed(c, m),
+            sub(CompressedImage, join(pre, topic), lambda m, c=cam: self.inputs.compressed(c, m),
                 qos(cfg.p['image_qos'], 1), callback_group=polled)
-            if cam in self._decoders else
-            sub(Image, join(pre, topic), lambda m, c=cam: self._on_image(c, m),
+            if cam in self.inputs.decoders else
+            sub(Image, join(pre, topic), lambda m, c=cam: self.inputs.image(c, m),
                 qos(cfg.p['image_qos'], 1), callback_group=polled)
             for cam, topic in cfg.cameras.items()]
         self._joint_subs = [sub(JointState, join(pre, topic),
-                                lambda m, s=src: self._on_joints(s, m),
+                                lambda m, s=src: self.inputs.joints(s, m),
                                 qos(cfg.p['joint_qos'], 50), callback_group=polled)
                             for src, topic in cfg.joint_topics.items()]
         self._ros = [*self.image_subs, *self._joint_subs,
@@ -282,7 +247,7 @@ class RobotLink:
         self.log.info(
             f'{self.label()}{cfg.p["robot"]} robot, model {cfg.p["model"]}: cameras '
             + ', '.join(f'{c} <- {name(join(pre, t))}'
-                        + (' (compressed)' if c in self._decoders else '')
+                        + (' (compressed)' if c in self.inputs.decoders else '')
                         for c, t in cfg.cameras.items())
             + '; joints <- ' + ', '.join(name(join(pre, t)) for t in cfg.joint_topics.values())
             + '; trajectories -> ' + ', '.join(name(join(pre, g.topic)) for g in cfg.groups)
@@ -416,9 +381,7 @@ class RobotLink:
             self._stats['clock_jumps'] += 1
         if self.player is not None:
             self.player.shift(delta)
-        self.assembler.clear()
-        for r in self._readings.values():
-            r.clear()
+        self.inputs.clear()
         self._checked = 0.0
         self.stop_commanding(f'the {what} jumped {delta:+.3f} s')
 
@@ -465,111 +428,10 @@ class RobotLink:
     def now(self) -> float:
         return self.node.get_clock().now().nanoseconds * 1e-9
 
-    def _stamp(self, header, what: str) -> float | None:
-        """The time a sample describes, or None (reported) when it lies in the future."""
-        now = self.now()
-        t = seconds(header.stamp)
-        if t <= 0:
-            # Some drivers leave the stamp at zero; the arrival time is the best guess then.
-            return now
-        ahead = t - now
-        if ahead > self.cfg.p['max_future_stamp']:
-            self.reporter.report(f'future:{what}', f'{what}: stamp {ahead * 1e3:.0f} ms in the '
-                                 f'future (limit {self.cfg.p["max_future_stamp"] * 1e3:.0f} ms); '
-                                 'message dropped: the sender and this node must share a clock')
-            return None
-        return t
-
-    def _on_image(self, cam: str, msg):
-        why = image_problem(msg, self.cfg.p['max_image_pixels'], self.cfg.p['max_image_bytes'])
-        if why:
-            self._dropped(cam, why)
-            return
-        t = self._stamp(msg.header, f'camera {cam}')
-        if t is None:
-            return
-        self.assembler.put(cam, msg, t)
-
-    def _on_compressed(self, cam: str, msg):
-        t = self._stamp(msg.header, f'camera {cam}')
-        if t is None:
-            return
-        try:
-            rgb = self._decoders[cam].decode(msg.format, msg.data)
-        except ValueError as e:
-            self._dropped(cam, str(e))
-            return
-        self.assembler.put(cam, rgb, t)
-
     def waiting_for(self) -> str:
         """Why no frame can start now (required inputs missing, stale or stamped ahead), or
         '': what a ~/ask question that timed out waited for."""
-        now, a = self.now(), self.assembler
-        return '; '.join(f'{n} {w}' for n in a.required if (w := a.unusable(n, now)))
-
-    def _dropped(self, cam: str, why: str):
-        self.reporter.report(problem_key(f'image:{cam}', why),
-                             f'camera {cam}: {why}; image dropped, the last good one is kept')
-
-    def _on_joints(self, src: str, msg):
-        topic = self.cfg.joint_topics[src]
-        names, positions = msg.name, msg.position
-        if len(names) != len(positions):
-            self.reporter.report(f'joints:{src}:lengths',
-                                 f'{topic}: {len(names)} names but {len(positions)} '
-                                 'positions; message dropped')
-            return
-        readings = self._readings[src]
-        got = {n: x for n, x in zip(names, positions, strict=True) if n in readings.keep}
-        bad = sorted(n for n, x in got.items() if not math.isfinite(x))
-        if bad:
-            self.reporter.report(f'joints:{src}:nonfinite',
-                                 f'{topic}: joints {", ".join(bad)} read NaN/inf; message '
-                                 'dropped, the last good readings are kept')
-            return
-        if readings.wanted.isdisjoint(got):
-            self.reporter.report(f'joints:{src}:unknown',
-                                 f'{topic}: none of the joints {list(names)} are used; '
-                                 f'expected {sorted(readings.wanted)}')
-            return
-        t = self._stamp(msg.header, topic)
-        if t is None:
-            return
-        glitches = self._glitches(src, got, t)
-        if glitches:
-            self.reporter.report(f'glitch:{src}', f'{topic}: {"; ".join(glitches)}: a glitch, '
-                                 'message dropped, the last good readings are kept')
-            return
-        merged, oldest = readings.update(got, t)
-        limit = self.cfg.p['max_input_age']
-        if t - oldest > limit:
-            self.reporter.report(f'joints:{src}:dropped', f'{topic}: joints '
-                                 f'{", ".join(readings.gone(t, limit))} missing from its '
-                                 f'messages for {(t - oldest) * 1e3:.0f} ms (limit '
-                                 f'{limit * 1e3:.0f} ms): stale')
-        self.assembler.put(f'joints:{src}', merged, oldest)
-
-    def _glitches(self, src: str, got: dict, t: float) -> list[str]:
-        """What is implausible in a reading of limited joints at `t`: beyond the range by more
-        than the hold margin, or a move from the last reading faster than the joint's speed
-        limit allows (with GLITCH_SLACK_S of stamp jitter)."""
-        out = []
-        readings = self._readings[src]
-        for joint, (lo, hi, speed) in self._plausible.get(src, {}).items():
-            x = got.get(joint)
-            if x is None:
-                continue
-            if not lo <= x <= hi:
-                out.append(f'{joint} read {x:.6g}, beyond its range by more than the hold '
-                           'margin')
-                continue
-            last = readings.last(joint)
-            if last is not None and math.isfinite(speed):
-                dx, dt = abs(x - last[0]), abs(t - last[1])
-                if dx > speed * (dt + GLITCH_SLACK_S) * (1 + GLITCH_SLACK):
-                    out.append(f'{joint} moved {dx:.4g} in {dt * 1e3:.0f} ms, faster than '
-                               f'its {speed:.4g}/s')
-        return out
+        return self.inputs.stale(self.now()) or ''
 
     def set_prompt(self, text: str):
         with self.lock:
@@ -660,26 +522,9 @@ class RobotLink:
         return Handover(start, delay, previous)
 
     def _observation(self, frame, slots):
-        from oxygen_ros.engine import Observation
-
-        images = {slot: None for slot in slots}
-        for cam, slot in self.cfg.slots.items():
-            msg = frame.values.get(cam)
-            if isinstance(msg, np.ndarray):  # a compressed camera's, decoded when taken
-                images[slot] = msg
-            elif msg is not None:
-                try:
-                    images[slot] = image_to_rgb(msg)
-                except ValueError as e:
-                    raise ValueError(f'camera {cam}: {e}') from None
-        # The readings held with the frame's images, not the newest ones.
-        readings = {s: frame.values[f'joints:{s}'] for s in self.cfg.joint_topics}
         with self.lock:
             prompt = self.prompt
-        state = self.cfg.joint_map.vector(readings)
-        model_state = np.asarray(self.cfg.profile.encode_state(state), dtype=np.float32)
-        return Observation(stamp=frame.stamp, images=images, state=model_state,
-                           prompt=prompt), state
+        return self.inputs.observation(frame, slots, prompt)
 
     def failed(self, why: str):
         """A frame of this robot failed in the engine: it holds."""
@@ -708,9 +553,7 @@ class RobotLink:
 
     def stale(self, now: float) -> str | None:
         """Which required inputs are stale or missing now (Assembler's words), or None."""
-        problems = [f'{name} {why}' for name in self.assembler.required
-                    if (why := self.assembler.unusable(name, now))]
-        return '; '.join(problems) or None
+        return self.inputs.stale(now)
 
     def _inputs_stale(self):
         if self._stale_since is None:
@@ -923,24 +766,10 @@ class RobotLink:
             self.tick()
 
     def _measured(self) -> np.ndarray | None:
-        readings = {s: r.values() for s, r in self._readings.items()}
-        try:
-            return self.cfg.joint_map.vector(readings)
-        except ValueError:
-            return None
+        return self.inputs.measured()
 
     def _hold_at(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per action index, a fresh reading of the joint it drives (within max_input_age
-        by its own stamp; glitches never get here) and its stamp; NaN where there is none."""
-        dim = self.cfg.profile.action_dim
-        out, stamps = np.full(dim, np.nan), np.full(dim, np.nan)
-        now, p = self.now(), self.cfg.p
-        for i, (src, joint) in self.cfg.hold_sources.items():
-            got = self._readings[src].fresh(joint, now, p['max_input_age'],
-                                            p['max_future_stamp'])
-            if got is not None:
-                out[i], stamps[i] = got
-        return out, stamps
+        return self.inputs.hold_at()
 
     def tick(self):
         """One control period: what the player says goes out. Never raises: a failure holds
