@@ -138,6 +138,9 @@ PARAMS = (
     Param('temperature', 0.0, 'narration sampling temperature; 0 = greedy', low=0.0,
           live=True),
     Param('seed', 0, 'random seed (weights when no checkpoint, noise, sampling)', low=0),
+    Param('frame_noise', False, "each frame's flow-matching noise from (seed, robot, the "
+          "frame's stamp) instead of one random stream: a recording of the robot's inputs "
+          "replayed (oxygen-replay) gives the same chunk for the same frame"),
     Param('prompt_format', 'pi05', "'pi05' (task + state) or 'subtask'",
           choices=('pi05', 'subtask')),
     Param('compile', False, 'torch.compile the decode and denoise steps (for CUDA; slow start)'),
@@ -235,6 +238,7 @@ ROBOT_KEYS = ('command', 'shadow_margin', 'max_command_horizon', 'play_steps',
 ENGINE_KEYS = ('model', 'checkpoint', 'normalize', 'conventions', 'asset_id', 'tokenizer',
                'device', 'threads', 'denoise_steps', 'mode', 'decode_k', 'frame_budget_ms',
                'max_requests', 'max_new_tokens', 'admission', 'temperature', 'seed',
+               'frame_noise',
                'prompt_format', 'compile', 'graphs', 'rtc', 'rtc_beta',
                'max_question_tokens')
 

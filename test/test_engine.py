@@ -1,5 +1,6 @@
 """The engine schedules the same model computations differently; results must not change."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -199,6 +200,28 @@ def test_seeded_engines_agree(model, tokenizer):
         np.testing.assert_array_equal(x, y)
     c, *_ = run(make_engine(model, tokenizer, seed=8), 1)
     assert not np.allclose(a[0], c[0])
+
+
+def test_frame_noise_follows_the_stamp_not_the_stream(model, tokenizer):
+    """Under frame_noise a frame's chunk depends on its inputs and stamp alone: an engine
+    that skipped the frames before (as a replay that starts late does) gives the same chunk,
+    while one random stream would not."""
+    obs = list(observations(model.cfg, 3))
+
+    def chunks(engine, frames):
+        return [engine.step(o).actions for o in frames]
+
+    a = chunks(make_engine(model, tokenizer, frame_noise=True), obs)
+    b = chunks(make_engine(model, tokenizer, frame_noise=True), obs[2:])
+    np.testing.assert_array_equal(a[2], b[0])
+    c = chunks(make_engine(model, tokenizer), obs[2:])  # one stream: its first draw
+    assert not np.allclose(a[2], c[0])
+    d = chunks(make_engine(model, tokenizer, frame_noise=True, seed=8), obs[2:])
+    assert not np.allclose(a[2], d[0])
+    # Two frames with the same inputs but other stamps get other noise.
+    moved = dataclasses.replace(obs[2], stamp=obs[2].stamp + 0.02)
+    e = chunks(make_engine(model, tokenizer, frame_noise=True), [moved])
+    assert not np.allclose(a[2], e[0])
 
 
 def test_bad_config_values():

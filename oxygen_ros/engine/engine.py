@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import threading
 import time
 import zlib
@@ -70,6 +71,9 @@ class EngineConfig:
     max_pending: int = 4
     temperature: float = 0.0
     seed: int = 0
+    # Each frame's flow-matching noise drawn from (seed, robot, the observation's stamp)
+    # instead of one stream: the same inputs give the same chunk live and replayed.
+    frame_noise: bool = False
     stop_at_eos: bool = True
     prompt_format: str = 'pi05'  # pi05: openpi's action prompt with state; subtask: OxyGen's
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
@@ -363,7 +367,7 @@ class Engine:
     def frame(self, obs: Observation, noise: np.ndarray | None = None) -> Frame:
         images, present, text = self._inputs(obs)
         tokens, mask = self._tokens(text)
-        noise = self._noise_for(noise, self._noise)
+        noise = self._noise_for(noise, self._noise, obs.stamp)
         dtype = self.cache.kv.dtype
         if self._pinned is not None:
             torch.stack(images, out=self._pinned[0])
@@ -408,10 +412,14 @@ class Engine:
             text = subtask_prompt(obs.prompt)
         return images, present, text
 
-    def _noise_for(self, noise: np.ndarray | None, generator: torch.Generator) -> torch.Tensor:
-        """[1, horizon, model action width] on the host: ``noise`` checked, or drawn."""
+    def _noise_for(self, noise: np.ndarray | None, generator: torch.Generator,
+                   stamp: float, robot: str = '') -> torch.Tensor:
+        """[1, horizon, model action width] on the host: ``noise`` checked, or drawn (from
+        the frame's stamp with frame_noise, else from ``generator``)."""
         shape = (self.action_horizon, self.model_action_dim)
         if noise is None:
+            if self.cfg.frame_noise:
+                generator = frame_generator(self.cfg.seed, robot, stamp)
             return torch.randn(1, *shape, generator=generator)
         noise = np.asarray(noise, dtype=np.float32)
         if noise.shape != shape or not np.all(np.isfinite(noise)):
@@ -601,7 +609,7 @@ class Engine:
         if rb.prompt is None or rb.prompt[0] != text:
             tokens, mask = self.tokenizer.tokenize(text, self.model_cfg.max_token_len)
             rb.prompt = (text, (torch.from_numpy(tokens), torch.from_numpy(mask)))
-        noise = self._noise_for(inp.noise, rb.noise)[0]
+        noise = self._noise_for(inp.noise, rb.noise, inp.obs.stamp, name)[0]
         guide = self._guide_to(inp.handover, rb.last)
         return rb, inp, (torch.stack(images), present, *rb.prompt[1], noise), guide
 
@@ -934,6 +942,16 @@ class Engine:
             rejected_requests=snap['rejected_requests'],
             dropped_requests=snap['dropped_requests'],
         )
+
+
+def frame_generator(seed: int, robot: str, stamp: float) -> torch.Generator:
+    """The generator of a frame's noise under frame_noise: a hash of the seed, the robot's
+    name ('' for a node's one robot) and the stamp to the microsecond (a stamp read from
+    the same message is the same float live and offline; the rounding absorbs the last bit
+    of two ways of computing it)."""
+    key = f'{seed}/{robot}/{round(stamp * 1e6)}'.encode()
+    return torch.Generator().manual_seed(
+        int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), 'little'))
 
 
 def _compile(model) -> None:

@@ -70,7 +70,7 @@ class FleetPhases:
             images, present, text = engine._inputs(o)
             tokens, mask = engine.tokenizer.tokenize(text, engine.model_cfg.max_token_len)
             self.parts.append((torch.stack(images), present, torch.from_numpy(tokens),
-                               torch.from_numpy(mask), engine._noise_for(None, g)[0]))
+                               torch.from_numpy(mask), engine._noise_for(None, g, o.stamp)[0]))
         self.times = {'batched': [], 'single': []}
 
     def _run(self, parts) -> None:
