@@ -453,8 +453,19 @@ class Trainer:
 
         meta = json.loads((Path(checkpoint) / 'config.json').read_text())
         trained = meta.get('training')
-        if not trained or trained.get('recipe') != self.recipe.__dict__:
-            raise ValueError(f'{checkpoint} was not exported by a run of this recipe')
+        if not trained:
+            raise ValueError(f'{checkpoint} was not exported by oxygen-train')
+        # Only the schedule's length may differ: going on for more steps than the run that
+        # exported it had is what this is for.
+        theirs = {k: v for k, v in trained.get('recipe', {}).items() if k != 'steps'}
+        ours = {k: v for k, v in self.recipe.__dict__.items() if k != 'steps'}
+        if theirs != ours:
+            diff = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+            raise ValueError(f'{checkpoint} was exported by a run of another recipe '
+                             f'(differs in {", ".join(diff)})')
+        if int(trained['step']) >= self.recipe.steps:
+            raise ValueError(f'{checkpoint} is at step {trained["step"]}, the recipe ends at '
+                             f'{self.recipe.steps}: give --steps beyond it')
         model, _, _ = load_checkpoint(checkpoint, self.cfg)
         weights = dict(model.named_parameters())
         with torch.no_grad():

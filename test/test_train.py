@@ -311,3 +311,11 @@ def test_a_resumed_run_is_the_run_uninterrupted(episodes, tmp_path):
     assert train.main(['--data', str(episodes), '--recipe', str(other), '--threads', '1',
                        '--no-progress', '--out', str(tmp_path / 'o'), '--start-from',
                        str(at6)]) == 2  # another recipe's checkpoint
+    # A longer schedule goes on from it (the shipped checkpoint trained further); one that
+    # ends at or before the checkpoint's step is refused, not run as zero steps.
+    longer = tmp_path / 'longer'
+    assert train.main(common + ['--out', str(longer), '--start-from', str(at6),
+                                '--steps', '18']) == 0
+    assert json.loads((longer / 'state.json').read_text())['step'] == 18
+    assert train.main(common + ['--out', str(tmp_path / 'short'), '--start-from', str(at6),
+                                '--steps', '6']) == 2
