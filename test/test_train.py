@@ -314,6 +314,7 @@ def test_a_resumed_run_is_the_run_uninterrupted(episodes, tmp_path):
     # A longer schedule goes on from it (the shipped checkpoint trained further); one that
     # ends at or before the checkpoint's step is refused, not run as zero steps.
     longer = tmp_path / 'longer'
+    recipe_file(tmp_path)  # the recipe the checkpoint was trained with, again
     assert train.main(common + ['--out', str(longer), '--start-from', str(at6),
                                 '--steps', '18']) == 0
     assert json.loads((longer / 'state.json').read_text())['step'] == 18
