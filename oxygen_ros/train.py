@@ -57,7 +57,7 @@ from oxygen_ros.model import Pi05
 from oxygen_ros.model.checkpoint import save_checkpoint
 from oxygen_ros.model.config import ModelConfig, load_config
 from oxygen_ros.model.kv import KV
-from oxygen_ros.model.processing import NormStats, resize_with_pad, to_model_image
+from oxygen_ros.model.processing import NormStats, crop, resize_with_pad, to_model_image
 from oxygen_ros.model.tokenizer import Tokenizer, action_prompt
 from oxygen_ros.profiles import GRIPPER_JOINT_CLOSE, GRIPPER_JOINT_OPEN, make_profile
 
@@ -168,7 +168,8 @@ class Episodes:
                     if key not in f:
                         raise ValueError(f'{path} has no camera {cam!r} (it has '
                                          f'{sorted(f["observations/images"])})')
-                    cams[cam] = np.stack([resize_with_pad(f[key][t], size, size)
+                    box = cfg.crop_of(recipe.cameras[cam])
+                    cams[cam] = np.stack([resize_with_pad(crop(f[key][t], box), size, size)
                                           for t in t_all])
                 phase = [p.decode() if isinstance(p, bytes) else str(p)
                          for p in f['language/phase'][()]]

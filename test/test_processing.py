@@ -7,6 +7,7 @@ import torch
 from oxygen_ros.model.processing import (
     NormStats,
     Stats,
+    crop,
     find_norm_stats,
     prepare_image,
     resize_with_pad,
@@ -276,3 +277,29 @@ def test_lerobot_needs_the_stats_dims():
         Stats.from_dict(STATE, "LOG")
     with pytest.raises(ValueError, match="openpi normalises with QUANTILES or MEAN_STD"):
         NormStats(Stats.from_dict(STATE, "MIN_MAX"), Stats({}, "IDENTITY"))
+
+
+def test_crop_takes_the_box_in_fractions_of_the_image():
+    img = np.arange(48 * 64 * 3, dtype=np.uint8).reshape(48, 64, 3)
+    # 0.25..0.75 of 64 columns = 16..48; 0.5..1.0 of 48 rows = 24..48.
+    np.testing.assert_array_equal(crop(img, (0.25, 0.5, 0.75, 1.0)), img[24:48, 16:48])
+    assert crop(img, None) is img
+    # A box thinner than a pixel still gives one.
+    assert crop(img, (0.5, 0.5, 0.5001, 0.5001)).shape == (1, 1, 3)
+    with pytest.raises(ValueError, match='HxWxC'):
+        crop(img[0, :, 0], (0.0, 0.0, 1.0, 1.0))
+
+
+def test_image_crops_are_checked_and_travel_in_the_config():
+    from oxygen_ros.model import load_config
+    from oxygen_ros.model.config import ModelConfig
+
+    cfg = load_config('tiny', image_crops={'base_0_rgb': [0.1, 0.2, 0.9, 0.8]})
+    assert cfg.crop_of('base_0_rgb') == (0.1, 0.2, 0.9, 0.8)
+    assert cfg.crop_of('left_wrist_0_rgb') is None
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg  # what a checkpoint's config.json holds
+    with pytest.raises(ValueError, match="names slot 'top'"):
+        load_config('tiny', image_crops={'top': [0.1, 0.2, 0.9, 0.8]})
+    for box in ([0.5, 0.2, 0.4, 0.8], [0.1, 0.2, 1.2, 0.8], [0.1, 0.2, 0.9], 'all'):
+        with pytest.raises(ValueError, match='image_crops'):
+            load_config('tiny', image_crops={'base_0_rgb': box})

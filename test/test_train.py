@@ -208,7 +208,7 @@ def write_episodes(root, n=4, steps=40, size=(48, 64), seed=0):
 
 
 def recipe_file(tmp_path, **over):
-    recipe = dict(model=TINY, cameras={'top': 'base_0_rgb'},
+    recipe = dict(model=over.pop('model', TINY), cameras={'top': 'base_0_rgb'},
                   profile_options={'adapt_to_pi': True, 'delta': True,
                                    'normalized_gripper': False},
                   frame_every=2, batch=4, steps=12, lr=1e-3, min_lr=1e-4, warmup=3,
@@ -225,12 +225,17 @@ def episodes(tmp_path_factory):
     return root
 
 
+# A crop of the top view: training and the engine must both cut it out before the resize.
+CROP = [0.3, 0.35, 0.7, 0.75]
+
+
 def test_a_run_gives_a_checkpoint_the_engine_loads_and_feeds_alike(episodes, tmp_path):
     from oxygen_ros.engine import Engine, EngineConfig, Observation
 
     out = tmp_path / 'run'
-    args = ['--data', str(episodes), '--out', str(out), '--recipe', str(recipe_file(tmp_path)),
-            '--threads', '1', '--no-progress']
+    cropped = {**TINY, 'image_crops': {'base_0_rgb': CROP}}
+    args = ['--data', str(episodes), '--out', str(out), '--recipe',
+            str(recipe_file(tmp_path, model=cropped)), '--threads', '1', '--no-progress']
     assert train.main(args) == 0
     log = [json.loads(x) for x in (out / 'log.jsonl').read_text().splitlines()]
     assert [e['step'] for e in log] == [3, 6, 9, 12]
@@ -245,12 +250,14 @@ def test_a_run_gives_a_checkpoint_the_engine_loads_and_feeds_alike(episodes, tmp
     engine = Engine(EngineConfig(checkpoint=str(ck), max_new_tokens=8))
     assert engine.tokenizer_from == 'found in the checkpoint directory'
     assert engine.slots == ('base_0_rgb',)
+    # The crop travels in the checkpoint: loading it with checkpoint:= alone applies it.
+    assert engine.model_cfg.crop_of('base_0_rgb') == tuple(CROP)
     from oxygen_ros.model.checkpoint import checkpoint_slots
 
     assert checkpoint_slots(ck) == engine.slots  # what oxygen-eval gives the node
     # The tensors training saw for a sample are those the engine builds for the observation.
-    t = train.Trainer(train.Recipe.read(recipe_file(tmp_path)), episodes, tmp_path / 'x', 1,
-                      progress=False)
+    t = train.Trainer(train.Recipe.read(recipe_file(tmp_path, model=cropped)), episodes,
+                      tmp_path / 'x', 1, progress=False)
     e, step = t.train.index[5]
     with h5py.File(episodes / f'episode_{e}.hdf5') as f:
         image = f['observations/images/top'][step]
@@ -262,6 +269,10 @@ def test_a_run_gives_a_checkpoint_the_engine_loads_and_feeds_alike(episodes, tmp
                       prompt=t.train.prompt)
     frame = engine.frame(obs)
     torch.testing.assert_close(frame.images.float(), b['images'], atol=0, rtol=0)
+    from oxygen_ros.model.processing import prepare_image
+
+    size = engine.model_cfg.vision.image_size
+    assert not torch.equal(prepare_image(image, size, size).flatten(), b['images'].flatten())
     assert torch.equal(frame.tokens.cpu(), b['tokens'])
     assert torch.equal(frame.token_mask.cpu(), b['token_mask'])
     # Its actions are the targets the demonstration played: decoded by the robot's profile

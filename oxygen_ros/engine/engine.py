@@ -29,7 +29,7 @@ import yaml
 
 from ..model import Pi05, load_config
 from ..model.checkpoint import Checkpoint, checkpoint_tokenizer, open_checkpoint
-from ..model.processing import CONVENTIONS, NormStats, prepare_image
+from ..model.processing import CONVENTIONS, NormStats, crop, prepare_image
 from ..model.rtc import Guide, Handover
 from ..model.tokenizer import Tokenizer, action_prompt, prompt_tokens, subtask_prompt
 from .fleet import BatchGuide
@@ -395,8 +395,10 @@ class Engine:
         for slot in self.slots:
             img = obs.images.get(slot)
             present.append(img is not None)
-            images.append(self._blank if img is None
-                          else prepare_image(img, size, size, self.conventions))
+            if img is not None:
+                img = prepare_image(crop(np.asarray(img), self.model_cfg.crop_of(slot)),
+                                    size, size, self.conventions)
+            images.append(self._blank if img is None else img)
         state = np.asarray(obs.state, dtype=np.float32)
         if state.ndim != 1 or not np.all(np.isfinite(state)):
             raise ValueError(f'state must be a finite vector, got shape {state.shape}')

@@ -83,6 +83,11 @@ class ModelConfig:
     rope_base: float = 10000.0
     # Flow-matching step times (pi05.flow_times): "openpi" or "lerobot" (checkpoint-given).
     time_grid: str = "openpi"
+    # Per image slot, the part of each camera image the model was trained to see, as
+    # fractions (x0, y0, x1, y1) of its width and height, cut out before the resize: a policy
+    # trained on a crop of the workspace must get the same crop. Given as a mapping; kept as
+    # ((slot, box), ...) so the config stays immutable.
+    image_crops: tuple = ()
 
     def __post_init__(self):
         for key, kind in (("vlm", ExpertConfig), ("expert", ExpertConfig),
@@ -106,6 +111,7 @@ class ModelConfig:
         if self.prompt_attention not in PROMPT_ATTENTION:
             raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, "
                              f"got {self.prompt_attention!r}")
+        object.__setattr__(self, "image_crops", _crops(self.image_crops, slots))
         if self.time_grid not in TIME_GRIDS:
             raise ValueError(f"time_grid must be one of {TIME_GRIDS}, got {self.time_grid!r}")
         if not self.rope_base > 0:
@@ -123,7 +129,12 @@ class ModelConfig:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["image_slots"] = list(self.image_slots)
+        out["image_crops"] = {slot: list(box) for slot, box in self.image_crops}
         return out
+
+    def crop_of(self, slot: str) -> tuple[float, float, float, float] | None:
+        """The crop box of an image slot (fractions x0, y0, x1, y1), or None: the whole image."""
+        return dict(self.image_crops).get(slot)
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelConfig:
@@ -134,6 +145,32 @@ class ModelConfig:
 
 
 _SUB = {"vlm": ExpertConfig, "expert": ExpertConfig, "vision": VisionConfig}
+
+
+def _crops(value, slots: tuple[str, ...]) -> tuple:
+    """image_crops checked: a mapping (or pairs) of known slot -> 4 fractions with
+    0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1."""
+    pairs = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [(slot, box) for slot, box in pairs]
+    except (TypeError, ValueError):
+        raise ValueError(f"image_crops must map image slots to [x0, y0, x1, y1], got "
+                         f"{value!r}") from None
+    out = []
+    for slot, box in sorted(pairs):
+        if slot not in slots:
+            raise ValueError(f"image_crops names slot {slot!r}; the image slots are "
+                             f"{list(slots)}")
+        try:
+            x0, y0, x1, y1 = (float(v) for v in box)
+        except (TypeError, ValueError):
+            raise ValueError(f"image_crops[{slot!r}] must be [x0, y0, x1, y1], got "
+                             f"{box!r}") from None
+        if not (0.0 <= x0 < x1 <= 1.0 and 0.0 <= y0 < y1 <= 1.0):
+            raise ValueError(f"image_crops[{slot!r}] = {list(box)}: fractions of the image "
+                             f"with 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1")
+        out.append((slot, (x0, y0, x1, y1)))
+    return tuple(out)
 
 
 def _fields(cls) -> set[str]:

@@ -59,6 +59,20 @@ def resize_with_pad(image: np.ndarray, height: int = 224, width: int = 224) -> n
     return out
 
 
+def crop(image: np.ndarray, box: tuple[float, float, float, float] | None) -> np.ndarray:
+    """The part of an HxWxC image inside `box` (fractions x0, y0, x1, y1 of its width and
+    height, edges rounded to the nearest pixel, at least one pixel); None: the whole image."""
+    if box is None:
+        return image
+    if image.ndim != 3:
+        raise ValueError(f"expected an HxWxC image to crop, got shape {image.shape}")
+    h, w = image.shape[:2]
+    x0, y0, x1, y1 = box
+    left, top = min(round(x0 * w), w - 1), min(round(y0 * h), h - 1)
+    right, bottom = max(round(x1 * w), left + 1), max(round(y1 * h), top + 1)
+    return image[top:bottom, left:right]
+
+
 def resize_with_pad_float(image: np.ndarray, height: int, width: int) -> torch.Tensor:
     """LeRobot's path: uint8 HxWx3 -> float 3xHxW in [0, 1], resized with plain bilinear
     interpolation (no antialias), clamped, and padded centred with 0 (same geometry as
