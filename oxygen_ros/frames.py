@@ -115,8 +115,10 @@ class Assembler:
         with self._lock:
             return self._new > self._taken
 
-    def ready(self, now: float) -> tuple[Frame | None, str | None]:
-        """(frame, None) when a frame can be built now, else (None, why not)."""
+    def ready(self, now: float, take: bool = True) -> tuple[Frame | None, str | None]:
+        """(frame, None) when a frame can be built now, else (None, why not). ``take``
+        False only looks: the samples stay new for the next call (a replay looking for the
+        frame a recording's live node ran)."""
         with self._lock:
             held = {n: list(h) for n, h in self._samples.items()}
             seq = self._seq
@@ -146,15 +148,17 @@ class Assembler:
         used = {n: min(held[n], key=lambda s: abs(s.stamp - anchor)) for n in usable}
         skew = self._skew(used)
         if skew:
-            with self._lock:
-                # The same samples stay skewed: look again when a trigger input has news.
-                self._taken = seq
+            if take:
+                with self._lock:
+                    # The same samples stay skewed: look again when a trigger input has news.
+                    self._taken = seq
             return None, skew
         values = {n: None for n in self.optional}
         values.update({n: s.value for n, s in used.items()})
         stamps = {n: s.stamp for n, s in used.items()}
-        with self._lock:
-            self._taken = seq
+        if take:
+            with self._lock:
+                self._taken = seq
         return Frame(max(stamps.values()), values, stamps, notes), None
 
     def _unusable(self, held: list[Sample] | None, now: float) -> str | None:

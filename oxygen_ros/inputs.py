@@ -169,9 +169,9 @@ class Inputs:
                                f'its {speed:.4g}/s')
         return out
 
-    def frame(self, now: float) -> tuple[Frame | None, str | None]:
-        """The assembler's frame at `now`, or None and why not."""
-        return self.assembler.ready(now)
+    def frame(self, now: float, take: bool = True) -> tuple[Frame | None, str | None]:
+        """The assembler's frame at `now`, or None and why not (``take`` False: only look)."""
+        return self.assembler.ready(now, take)
 
     def observation(self, frame: Frame, slots, prompt: str):
         """(the engine's Observation, the robot-convention state) of a frame; ValueError
