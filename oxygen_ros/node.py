@@ -14,7 +14,8 @@ Threads, and why:
   rebuilding wait sets for them (measured with per-thread CPU counters and py-spy), time
   the model then lacked. Their subscriptions sit in a callback group no executor runs; the
   control thread takes the joint states each tick and the engine thread the newest image
-  of each camera before each frame, so unused images are never even converted;
+  of each camera (and the joint states come by then) before each frame, so unused images
+  are never even converted;
 - the engine thread builds a frame from the latest samples and runs engine.step; its
   action chunk is handed to the player as soon as it exists, before language decoding. In
   a fleet it asks the planner (engine/fleet.py) which robots are due and runs step_fleet

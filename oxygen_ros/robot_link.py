@@ -127,6 +127,7 @@ class RobotLink:
                                cfg.p['report_period'])
         self.lock = threading.Lock()
         self._tick_lock = threading.Lock()
+        self._intake = threading.Lock()  # joint states are taken by one thread at a time
         # Ends the control thread of the current activation (each gets its own: a thread
         # that outlived stop() must not be restarted by the next start()).
         self._stop = threading.Event()
@@ -295,8 +296,7 @@ class RobotLink:
                               min_backward=Duration(seconds=-BACK_S), on_clock_change=True),
                 post_callback=self._on_jump)
         # What came while inactive, so the first frame is not judged on old readings.
-        for sub in self._joint_subs:
-            take(sub, self._input_failed)
+        self._take_joints()
         if sim_time:
             from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 
@@ -466,6 +466,10 @@ class RobotLink:
         robot and are reported). ``slots``: the engine's image slots."""
         for sub in self.image_subs:
             take(sub, self._input_failed)
+        # And every joint state received by now: a frame is built from the inputs as they
+        # came (a replay of a recording rebuilds it so), not as the last control tick left
+        # them.
+        self._take_joints()
         now = self.now()
         # Staleness is checked every 50 ms even when nothing new came.
         if not self.assembler.fresh() and time.monotonic() - self._checked < 0.05:
@@ -765,6 +769,13 @@ class RobotLink:
                 deadline += (-delay // period) * period
             self.tick()
 
+    def _take_joints(self):
+        """Take the joint states waiting, in order: the control and engine threads both
+        do, one at a time (a reading must not overtake the one before it)."""
+        with self._intake:
+            for sub in self._joint_subs:
+                take(sub, self._input_failed)
+
     def _measured(self) -> np.ndarray | None:
         return self.inputs.measured()
 
@@ -814,8 +825,7 @@ class RobotLink:
             jump = self._jumps.check(now, before, time.monotonic())
             if jump is not None:
                 self.clock_jumped(jump, 'system clock')
-        for sub in self._joint_subs:
-            take(sub, self._input_failed)
+        self._take_joints()
         t = self._tick_clock()
         period = 1.0 / self.cfg.p['control_rate_hz']
         if self._ticks:
