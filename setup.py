@@ -32,6 +32,8 @@ setup(
             # Needs requirements-mujoco.txt and h5py.
             'oxygen-demos = oxygen_ros.demos:main',
             'oxygen-train = oxygen_ros.train:main',
+            # Needs rosbags (requirements-distro.txt) and h5py; not ROS.
+            'oxygen-replay = oxygen_ros.replay:main',
         ],
     },
 )
