@@ -341,6 +341,7 @@ class Trainer:
         self.g = torch.Generator().manual_seed(recipe.seed)
         self.step = 0
         self.log: list[dict] = []
+        self.init: dict | None = None  # the checkpoint a fine-tuning run started from
 
     # -- schedule ---------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -412,7 +413,7 @@ class Trainer:
         save_file(tensors, str(tmp), metadata={'step': str(self.step)})
         tmp.replace(self.out / 'state.safetensors')
         (self.out / 'state.json').write_text(json.dumps(
-            {'step': self.step, 'recipe': self.recipe.__dict__,
+            {'step': self.step, 'recipe': self.recipe.__dict__, 'init_from': self.init,
              'train_files': [p.name for p in self.train.files],
              'val_files': [p.name for p in self.val.files]}, indent=1))
         self.export(self.out / 'checkpoint')
@@ -425,6 +426,7 @@ class Trainer:
         if saved['recipe'] != self.recipe.__dict__:
             raise ValueError(f'{path} was trained with another recipe: '
                              f'{saved["recipe"]} (now {self.recipe.__dict__})')
+        self.init = saved.get('init_from')
         t = load_file(str(path))
         params = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -444,6 +446,26 @@ class Trainer:
             self.log = [e for e in self.log if e['step'] <= self.step]
             log.write_text(''.join(json.dumps(e) + '\n' for e in self.log))
         return True
+
+    def init_from(self, checkpoint: Path) -> None:
+        """Fine-tune: the weights and their average start from an exported checkpoint of the
+        same model dims (trained on other inputs, say the whole camera image instead of a
+        crop); the step, the schedule and AdamW start afresh."""
+        from oxygen_ros.model.checkpoint import load_checkpoint
+
+        path = Path(checkpoint)
+        meta = json.loads((path / 'config.json').read_text()) if (
+            path / 'config.json').is_file() else {}
+        model, _, _ = load_checkpoint(path, self.cfg.replace(image_crops={}))
+        weights = dict(model.named_parameters())
+        with torch.no_grad():
+            for k, p in self.model.named_parameters():
+                p.copy_(weights[k])
+                self.ema[k].copy_(weights[k])
+        trained = meta.get('training') or {}
+        self.init = {'checkpoint': path.name, 'step': trained.get('step'),
+                     'recipe': trained.get('recipe'),
+                     'image_crops': (meta.get('oxygen') or {}).get('image_crops') or {}}
 
     def start_from(self, checkpoint: Path) -> None:
         """Go on from an exported checkpoint (the one kept in the repository, say) instead of
@@ -491,7 +513,8 @@ class Trainer:
                             'data': [p.name for p in self.train.files],
                             'seeds': self.train.seeds,
                             'prompt': self.train.prompt, 'cameras': self.recipe.cameras,
-                            'profile_options': self.recipe.profile_options}
+                            'profile_options': self.recipe.profile_options,
+                            'init_from': self.init}
         (root / 'config.json').write_text(json.dumps(meta, indent=2))
         # The learning curve travels with the weights (a run may go on elsewhere from them).
         (root / 'training_log.jsonl').write_text(''.join(json.dumps(e) + '\n'
@@ -569,6 +592,9 @@ def main(argv=None) -> int:
     ap.add_argument('--start-from', default='', metavar='CHECKPOINT',
                     help="go on from an exported checkpoint of this recipe (weights and step; "
                     "AdamW's moments start afresh) when --out holds no run")
+    ap.add_argument('--init-from', default='', metavar='CHECKPOINT',
+                    help='fine-tune: start a new run from the weights of an exported '
+                    'checkpoint of the same model dims (step, schedule and AdamW afresh)')
     ap.add_argument('--stop-at', type=int, default=None,
                     help='stop after this step (saved; --resume goes on)')
     ap.add_argument('--threads', type=int, default=2)
@@ -587,6 +613,12 @@ def main(argv=None) -> int:
             return 2
         if args.resume and trainer.resume():
             print(f'oxygen-train: resumed at step {trainer.step}', file=sys.stderr)
+        elif args.init_from:
+            if args.start_from:
+                raise ValueError('--init-from starts a new run, --start-from goes on with '
+                                 'one: give one of them')
+            trainer.init_from(Path(args.init_from))
+            print(f'oxygen-train: fine-tuning from {args.init_from}', file=sys.stderr)
         elif args.start_from:
             trainer.start_from(Path(args.start_from))
             print(f'oxygen-train: going on from {args.start_from} at step {trainer.step}',

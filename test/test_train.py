@@ -331,3 +331,34 @@ def test_a_resumed_run_is_the_run_uninterrupted(episodes, tmp_path):
     assert json.loads((longer / 'state.json').read_text())['step'] == 18
     assert train.main(common + ['--out', str(tmp_path / 'short'), '--start-from', str(at6),
                                 '--steps', '6']) == 2
+
+
+def test_fine_tuning_starts_from_a_checkpoints_weights(episodes, tmp_path):
+    """--init-from: a new run (here on a crop of the top view) whose weights start as those
+    of a checkpoint of the same dims trained on the whole image; its step and schedule start
+    at 0 and the exported checkpoint says where it came from."""
+    from oxygen_ros.model.checkpoint import load_checkpoint
+
+    base = tmp_path / 'base'
+    common = ['--data', str(episodes), '--threads', '1', '--no-progress']
+    assert train.main(common + ['--recipe', str(recipe_file(tmp_path)), '--out',
+                                str(base)]) == 0
+    cropped = recipe_file(tmp_path, model={**TINY, 'image_crops': {'base_0_rgb': CROP}})
+    t = train.Trainer(train.Recipe.read(cropped), episodes, tmp_path / 'tuned', 1,
+                      progress=False)
+    t.init_from(base / 'checkpoint')
+    theirs, _, _ = load_checkpoint(base / 'checkpoint')
+    mine = dict(t.model.named_parameters())
+    for k, p in theirs.named_parameters():
+        assert torch.equal(mine[k].detach(), p.detach()), k
+    assert t.step == 0 and t.init['step'] == 12 and t.init['image_crops'] == {}
+    out = tmp_path / 'tuned2'
+    assert train.main(common + ['--recipe', str(cropped), '--out', str(out), '--init-from',
+                                str(base / 'checkpoint'), '--steps', '6']) == 0
+    meta = json.loads((out / 'checkpoint' / 'config.json').read_text())
+    assert meta['training']['init_from']['checkpoint'] == 'checkpoint'
+    assert meta['training']['step'] == 6
+    assert meta['oxygen']['image_crops'] == {'base_0_rgb': CROP}
+    assert train.main(common + ['--recipe', str(cropped), '--out', str(tmp_path / 'both'),
+                                '--init-from', str(base / 'checkpoint'), '--start-from',
+                                str(base / 'checkpoint')]) == 2
