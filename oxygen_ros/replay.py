@@ -255,6 +255,8 @@ class Run:
     reference: object = None  # Reference: what followed
     against: str = ''
     notes: list[str] = field(default_factory=list)
+    storage: str = ''  # a bag's: 'sqlite3' or 'mcap'
+    bag: object = None  # a bag's Bag, open until the report is written
 
 
 def stamp_of(header) -> float:
@@ -561,9 +563,6 @@ class Bag:
     @property
     def seconds(self) -> float:
         return self.reader.duration * 1e-9
-
-    def count(self, kind: str) -> int:
-        return sum(self.by_id(i).msgcount for i, (k, _) in self.conns.items() if k == kind)
 
     def by_id(self, cid: int):
         return next(c for c in self.reader.connections if c.id == cid)
@@ -950,7 +949,7 @@ def report(runs: list[Run], cfg: Config, max_shift: float, wall_s: float,
     out = {
         'recordings': [{
             'path': r.path, 'kind': r.kind,
-            **({'storage': r.storage} if hasattr(r, 'storage') else {}),
+            **({'storage': r.storage} if r.storage else {}),
             'clock': r.clock, 'seconds': r.seconds, 'frames': r.mode,
             'frames_run': len(r.frames),
             'skipped': dict(Counter(problem_key('frame', w) for _, w in r.skips)),
@@ -1086,7 +1085,7 @@ def write_bag(runs: list[Run], out: Path, names: list[str], period: float,
             mine = w.add_connection(topic, TYPES['trajectory'], typestore=store)
             copied = {}
             for r in runs:
-                bag = getattr(r, 'bag', None)
+                bag = r.bag
                 if bag is not None:
                     for c in bag.reader.connections:
                         if c.topic == topic or (c.topic, c.msgtype) in copied:
@@ -1252,7 +1251,7 @@ def _main(args) -> int:
             rep['bag_out'] = str(Path(args.bag_out).resolve())
     finally:
         for r in runs:
-            bag = getattr(r, 'bag', None)
+            bag = r.bag
             if bag is not None:
                 bag.close()
     path = out / 'report.json'

@@ -410,3 +410,26 @@ def test_bad_input_ends_with_one_line(tmp_path, capsys, what, args, says):
     assert code == 1, text
     assert says in text and 'Traceback' not in text
     assert text.strip().startswith('oxygen-replay: error:'), text
+
+
+def test_the_installed_command_replays_an_episode(aloha_params, tmp_path):
+    """`ros2 run oxygen_ros oxygen_replay`: the installed script, run from the repository
+    root, with --robot's files found in the installed share directory."""
+    ament = pytest.importorskip('ament_index_python.packages')
+    import os
+    import subprocess
+    import sys
+
+    write_episode(tmp_path / 'episode_0.hdf5', 30, seed=5)
+    script = Path(ament.get_package_prefix('oxygen_ros')) / 'lib' / 'oxygen_ros' / 'oxygen_replay'
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / 'episode_0.hdf5'),
+                        '--robot', 'aloha', '--params-file', str(aloha_params[-1]),
+                        '--out', str(tmp_path / 'out'), '--no-progress'],
+                       capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1],
+                       env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads((tmp_path / 'out' / 'report.json').read_text())
+    assert rep['robot'] == 'aloha' and rep['frames_run'] == 5 and rep['against'] == ['action']
+    assert [Path(p).name for p in rep['params_files'][:2]] == ['pi05.yaml', 'aloha.yaml']
+    assert 'report' in r.stdout
