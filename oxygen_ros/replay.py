@@ -325,6 +325,10 @@ class Replay:
                 if j in by_joint]
         if not cols or not m.points:
             return
+        if any(len(p.positions) != len(m.joint_names) for p in m.points):
+            self.reporter.report(f'command:{ev.key}', f'a trajectory for {ev.key} whose '
+                                 'points do not name every joint; not compared')
+            return
         t0 = stamp_of(m.header) or ev.t
         times = np.array([seconds(p.time_from_start) for p in m.points])
         pos = np.array([[p.positions[c] for c, _ in cols] for p in m.points], dtype=float)
@@ -333,7 +337,8 @@ class Replay:
     def add_live(self, m, log_ns: int) -> None:
         """A chunk of the live node (its ~/predicted_trajectory) to replay the frame of."""
         cols = [self.column.get(n) for n in m.joint_names]
-        if None in cols or not m.points:
+        if None in cols or not m.points or \
+                any(len(p.positions) != len(cols) for p in m.points):
             return
         out = np.full((len(m.points), len(self.names)), np.nan)
         out[:, cols] = np.array([list(p.positions) for p in m.points], dtype=float)
@@ -780,6 +785,9 @@ def compare(frames: list[Predicted], ref: Reference, period: float, names: list[
     per_step_joint = _nanmean(err, axis=0)  # [H, J]
     step = min(0.01, period / 2)
     shifts = np.arange(-round(max_shift / step), round(max_shift / step) + 1) * step
+    # Nearest to none first: where several fit equally (a joint that did not move), the
+    # smallest shift is the answer.
+    shifts = shifts[np.argsort(np.abs(shifts), kind='stable')]
     joints = {}
     for j, name in enumerate(names):
         fit = np.array([_nanmean(np.abs(pos[..., j] - ref.at(times + s, j)))

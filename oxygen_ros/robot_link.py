@@ -466,10 +466,11 @@ class RobotLink:
         robot and are reported). ``slots``: the engine's image slots."""
         for sub in self.image_subs:
             take(sub, self._input_failed)
-        # And every joint state received by now: a frame is built from the inputs as they
-        # came (a replay of a recording rebuilds it so), not as the last control tick left
-        # them.
-        self._take_joints()
+        if self.assembler.fresh():
+            # A frame may start: with every joint state received by now, so that it is
+            # built from the inputs as they came (a replay of a recording rebuilds it so),
+            # not as the last control tick left them.
+            self._take_joints()
         now = self.now()
         # Staleness is checked every 50 ms even when nothing new came.
         if not self.assembler.fresh() and time.monotonic() - self._checked < 0.05:

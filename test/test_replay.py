@@ -510,3 +510,10 @@ def test_a_bag_on_simulated_time_with_compressed_cameras(tmp_path):
     assert rep['mae'] == pytest.approx(np.nanmean(err), rel=1e-9)
     for j, name in enumerate(rep['joints']):
         assert rep['per_joint'][name]['mae'] == pytest.approx(np.nanmean(err[..., j]), rel=1e-9)
+
+
+def test_a_joint_that_did_not_move_has_no_lead():
+    ref = replay.Reference.from_series([[(0.0, 0.3), (10.0, 0.3)]])
+    frames = [replay.Predicted(s, s, np.full((5, 1), 0.3)) for s in np.arange(1.0, 8.0, 0.1)]
+    c = replay.compare(frames, ref, 0.02, ['j'], max_shift=0.5)
+    assert c['joints']['j']['lead_s'] == 0.0 and c['joints']['j']['mae'] == 0.0
