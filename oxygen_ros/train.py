@@ -308,11 +308,15 @@ class Trainer:
         torch.set_num_threads(threads)
         self.recipe, self.out, self.progress = recipe, out, progress
         self.cfg = recipe.model_config()
-        files = sorted(Path(data_dir).glob('episode_*.hdf5'),
-                       key=lambda p: int(p.stem.split('_')[1]))
+        # One directory or several (oxygen-demos runs with other seeds), in the order given;
+        # the last directory's last episodes are the held-out ones.
+        dirs = [Path(d) for d in (data_dir if isinstance(data_dir, (list, tuple))
+                                  else [data_dir])]
+        files = [f for d in dirs for f in sorted(d.glob('episode_*.hdf5'),
+                                                 key=lambda p: int(p.stem.split('_')[1]))]
         if len(files) <= recipe.val_episodes:
-            raise ValueError(f'{data_dir} has {len(files)} episodes; the recipe holds out '
-                             f'{recipe.val_episodes} for validation')
+            raise ValueError(f'{", ".join(map(str, dirs))}: {len(files)} episodes; the recipe '
+                             f'holds out {recipe.val_episodes} for validation')
         self.profile = make_profile('aloha', **recipe.profile_options)
         train_files, val_files = files[:-recipe.val_episodes], files[-recipe.val_episodes:]
         self.tokenizer = Tokenizer.default()
@@ -414,8 +418,8 @@ class Trainer:
         tmp.replace(self.out / 'state.safetensors')
         (self.out / 'state.json').write_text(json.dumps(
             {'step': self.step, 'recipe': self.recipe.__dict__, 'init_from': self.init,
-             'train_files': [p.name for p in self.train.files],
-             'val_files': [p.name for p in self.val.files]}, indent=1))
+             'train_files': [f'{p.parent.name}/{p.name}' for p in self.train.files],
+             'val_files': [f'{p.parent.name}/{p.name}' for p in self.val.files]}, indent=1))
         self.export(self.out / 'checkpoint')
 
     def resume(self) -> bool:
@@ -456,7 +460,8 @@ class Trainer:
         path = Path(checkpoint)
         meta = json.loads((path / 'config.json').read_text()) if (
             path / 'config.json').is_file() else {}
-        model, _, _ = load_checkpoint(path, self.cfg.replace(image_crops={}))
+        crops = (meta.get('oxygen') or {}).get('image_crops') or {}
+        model, _, _ = load_checkpoint(path, self.cfg.replace(image_crops=crops))
         weights = dict(model.named_parameters())
         with torch.no_grad():
             for k, p in self.model.named_parameters():
@@ -465,7 +470,7 @@ class Trainer:
         trained = meta.get('training') or {}
         self.init = {'checkpoint': path.name, 'step': trained.get('step'),
                      'recipe': trained.get('recipe'),
-                     'image_crops': (meta.get('oxygen') or {}).get('image_crops') or {}}
+                     'image_crops': crops}
 
     def start_from(self, checkpoint: Path) -> None:
         """Go on from an exported checkpoint (the one kept in the repository, say) instead of
@@ -510,7 +515,7 @@ class Trainer:
         (root / 'tokenizer.model').write_bytes(self.tokenizer.model_proto())
         meta = json.loads((root / 'config.json').read_text())
         meta['training'] = {'step': self.step, 'recipe': self.recipe.__dict__,
-                            'data': [p.name for p in self.train.files],
+                            'data': [f'{p.parent.name}/{p.name}' for p in self.train.files],
                             'seeds': self.train.seeds,
                             'prompt': self.train.prompt, 'cameras': self.recipe.cameras,
                             'profile_options': self.recipe.profile_options,
@@ -582,7 +587,9 @@ class Trainer:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('--data', required=True, help='a directory of episode_<k>.hdf5 files')
+    ap.add_argument('--data', required=True, nargs='+', metavar='DIR',
+                    help='directories of episode_<k>.hdf5 files (the last ones of the last '
+                    'are held out for validation)')
     ap.add_argument('--out', required=True)
     ap.add_argument('--recipe', default='', help=f"a recipe YAML; '' = the package's {RECIPE}")
     ap.add_argument('--steps', type=int, default=None, help="the recipe's steps, unless given")
@@ -607,7 +614,8 @@ def main(argv=None) -> int:
         if args.stop_at is not None and (args.stop_at < 1 or args.stop_at % recipe.log_every):
             raise ValueError(f'--stop-at must be a positive multiple of log_every '
                              f'({recipe.log_every}), got {args.stop_at}')
-        trainer = Trainer(recipe, Path(args.data), out, args.threads, args.progress)
+        trainer = Trainer(recipe, [Path(d) for d in args.data], out, args.threads,
+                          args.progress)
         if (out / 'state.safetensors').is_file() and not args.resume:
             print(f'oxygen-train: {out} holds a run; --resume continues it', file=sys.stderr)
             return 2

@@ -359,6 +359,27 @@ def test_fine_tuning_starts_from_a_checkpoints_weights(episodes, tmp_path):
     assert meta['training']['init_from']['checkpoint'] == 'checkpoint'
     assert meta['training']['step'] == 6
     assert meta['oxygen']['image_crops'] == {'base_0_rgb': CROP}
+    # A checkpoint trained on a crop starts another run too (its crops read from it).
+    again = train.Trainer(train.Recipe.read(cropped), episodes, tmp_path / 'again', 1,
+                          progress=False)
+    again.init_from(out / 'checkpoint')
+    assert again.init['image_crops'] == {'base_0_rgb': CROP}
     assert train.main(common + ['--recipe', str(cropped), '--out', str(tmp_path / 'both'),
                                 '--init-from', str(base / 'checkpoint'), '--start-from',
                                 str(base / 'checkpoint')]) == 2
+
+
+def test_episodes_come_from_several_directories(episodes, tmp_path):
+    """--data DIR DIR: the episodes of both, in order; the last directory's last episodes
+    are held out, and the checkpoint names each file with its directory."""
+    more = tmp_path / 'more'
+    more.mkdir()
+    write_episodes(more, n=2, seed=1)
+    out = tmp_path / 'run'
+    assert train.main(['--data', str(episodes), str(more), '--out', str(out), '--recipe',
+                       str(recipe_file(tmp_path)), '--threads', '1', '--no-progress',
+                       '--steps', '3']) == 0
+    state = json.loads((out / 'state.json').read_text())
+    assert state['val_files'] == ['more/episode_1.hdf5']
+    assert state['train_files'] == [f'{episodes.name}/episode_{k}.hdf5' for k in range(4)] \
+        + ['more/episode_0.hdf5']
