@@ -122,6 +122,10 @@ class OxygenNode(LifecycleNode):
 
     def __init__(self, argv=None, **kw):
         super().__init__('oxygen_node', **kw)
+        # A node just started has not discovered the ROS graph yet: until commander_check
+        # has passed since then, activation listens for another commander even where no
+        # other publisher shows on the trajectory topics.
+        self._born = time.monotonic()
         self.log = self.get_logger()
         self.reporter = Reporter(self.log.warning)
         self._lock = threading.Lock()
@@ -373,7 +377,9 @@ class OxygenNode(LifecycleNode):
         # listen for what it sends before taking the robot.
         for link in self.links:
             # A robot in shadow mode is another's to command (an operator's, say).
-            other = link.cfg.p['command'] and link.commanders(listen=cfg.p['commander_check'])
+            check = cfg.p['commander_check']
+            other = link.cfg.p['command'] and link.commanders(
+                listen=check, blind=check - (time.monotonic() - self._born))
             if other:
                 msg = f'refusing to activate: {link.label()}{other}'
                 self.log.error(msg)

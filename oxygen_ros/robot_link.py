@@ -621,15 +621,18 @@ class RobotLink:
                 out[topic] = names
         return out
 
-    def commanders(self, listen: float = 0.0) -> str | None:
+    def commanders(self, listen: float = 0.0, blind: float = 0.0) -> str | None:
         """Another node commanding this robot: what was heard, listening up to ``listen`` s
-        where another node has a publisher on a trajectory topic; None if nobody else."""
+        where another node has a publisher on a trajectory topic, and up to ``blind`` s where
+        none shows yet (the graph not discovered yet); None if nobody else."""
         heard = self.heard()
-        if not heard and listen and self.others():
-            end = time.monotonic() + listen
-            while not heard and time.monotonic() < end:
-                time.sleep(0.05)
-                heard = self.heard()
+        start = time.monotonic()
+        while not heard and listen:
+            limit = listen if self.others() else min(blind, listen)
+            if time.monotonic() - start >= limit:
+                break
+            time.sleep(0.05)
+            heard = self.heard()
         if not heard:
             return None
         others = self.others(heard)
