@@ -36,6 +36,10 @@ import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
 
 CHECK = 1.0  # commander_check: short, so the tests wait little
 COMMANDERS = dict(PARAMS, commander_check=CHECK)
+# The second node, just started, listens up to commander_check from its start before it
+# activates: on a loaded machine its DDS discovery of the first node took 3 s (its first
+# inputs came 2 s after it activated), so it gets a longer check than CHECK.
+SECOND = dict(PARAMS, commander_check=5.0)
 TOPIC = '/arm_controller/joint_trajectory'
 
 
@@ -108,7 +112,7 @@ def test_a_second_node_refuses_to_activate_on_a_commanded_robot(other, domain, t
     with open(log, 'w') as out:
         second = subprocess.Popen(
             [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file',
-             write_params(tmp_path / 'p.yaml', COMMANDERS), '-r', '__node:=oxygen_node_b',
+             write_params(tmp_path / 'p.yaml', SECOND), '-r', '__node:=oxygen_node_b',
              '-r', 'front/image:=/remapped/front'],
             stdout=out, stderr=subprocess.STDOUT, env=node_env(domain))
         try:
