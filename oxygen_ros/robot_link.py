@@ -626,10 +626,10 @@ class RobotLink:
         where another node has a publisher on a trajectory topic, and up to ``blind`` s where
         none shows yet (the graph not discovered yet); None if nobody else."""
         heard = self.heard()
-        start = time.monotonic()
+        start, shown = time.monotonic(), False
         while not heard and listen:
-            limit = listen if self.others() else min(blind, listen)
-            if time.monotonic() - start >= limit:
+            shown = shown or bool(self.others())  # the graph is asked until it shows one
+            if time.monotonic() - start >= (listen if shown else min(blind, listen)):
                 break
             time.sleep(0.05)
             heard = self.heard()

@@ -451,6 +451,14 @@ class Trainer:
             log.write_text(''.join(json.dumps(e) + '\n' for e in self.log))
         return True
 
+    def _take_weights(self, model: Pi05) -> None:
+        """A loaded model's weights become this run's, and their average."""
+        weights = dict(model.named_parameters())
+        with torch.no_grad():
+            for k, p in self.model.named_parameters():
+                p.copy_(weights[k])
+                self.ema[k].copy_(weights[k])
+
     def init_from(self, checkpoint: Path) -> None:
         """Fine-tune: the weights and their average start from an exported checkpoint of the
         same model dims (trained on other inputs, say the whole camera image instead of a
@@ -462,11 +470,7 @@ class Trainer:
             path / 'config.json').is_file() else {}
         crops = (meta.get('oxygen') or {}).get('image_crops') or {}
         model, _, _ = load_checkpoint(path, self.cfg.replace(image_crops=crops))
-        weights = dict(model.named_parameters())
-        with torch.no_grad():
-            for k, p in self.model.named_parameters():
-                p.copy_(weights[k])
-                self.ema[k].copy_(weights[k])
+        self._take_weights(model)
         trained = meta.get('training') or {}
         self.init = {'checkpoint': path.name, 'step': trained.get('step'),
                      'recipe': trained.get('recipe'),
@@ -495,11 +499,7 @@ class Trainer:
             raise ValueError(f'{checkpoint} is at step {trained["step"]}, the recipe ends at '
                              f'{self.recipe.steps}: give --steps beyond it')
         model, _, _ = load_checkpoint(checkpoint, self.cfg)
-        weights = dict(model.named_parameters())
-        with torch.no_grad():
-            for k, p in self.model.named_parameters():
-                p.copy_(weights[k])
-                self.ema[k].copy_(weights[k])
+        self._take_weights(model)
         self.step = int(trained['step'])
         self.g.manual_seed(self.recipe.seed * 1_000_003 + self.step)
         log = Path(checkpoint) / 'training_log.jsonl'

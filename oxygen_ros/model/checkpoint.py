@@ -236,11 +236,12 @@ def load_checkpoint(path, cfg: ModelConfig | None = None, device="cpu", dtype=No
         # The crop the weights were trained to see is theirs, like their norm stats: a config
         # given beside them must not drop or change it silently.
         stated = (meta.get("oxygen") or {}).get("image_crops") or {}
-        if stated and cfg.to_dict()["image_crops"] != stated:
+        given = cfg.to_dict()["image_crops"]
+        if stated and given != stated:
             raise CheckpointError(
                 f"checkpoint {weights} was trained on image crops {stated}, but config "
-                f"{cfg.name!r} has {cfg.to_dict()['image_crops'] or 'none'}: leave `model` "
-                f"empty to take the dims and crops from its config.json")
+                f"{cfg.name!r} has {given or 'none'}: leave `model` empty to take the dims "
+                f"and crops from its config.json")
         expected = expected_shapes(cfg)
         tied = EMBED not in found and LM_HEAD in found
         if tied:
