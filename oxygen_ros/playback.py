@@ -129,9 +129,10 @@ class Player:
         return self._chunk
 
     def play(self, chunk: Chunk) -> None:
+        """Play `chunk` from the next tick; a hold not yet published goes out first (a
+        chunk that arrives between a stop and the next tick must not swallow the hold)."""
         with self._lock:
             self._chunk = chunk
-            self._hold = None
 
     def stop(self, why: str) -> bool:
         """Drop the chunk and hold at the next tick. False when already stopped (nothing was
@@ -174,6 +175,9 @@ class Player:
         Both are called only when needed.
         """
         with self._lock:
+            if self._hold is not None:
+                why, self._hold = self._hold, None
+                return self._hold_command(why, hold_at, now)
             chunk = self._chunk
             if chunk is not None:
                 first = remaining(chunk, now)
@@ -184,12 +188,10 @@ class Player:
                 else:
                     done = 'action chunk used up before the next one arrived'
                 if first >= last:
-                    self._chunk, chunk, self._hold = None, None, done
+                    self._chunk = None
+                    return self._hold_command(done, hold_at, now)
             if chunk is None:
-                why, self._hold = self._hold, None
-                if why is None:
-                    return None
-                return self._hold_command(why, hold_at, now)
+                return None
         times = chunk.stamp + chunk.period * np.arange(first, last) - now
         n = int(np.searchsorted(times, self.horizon, side='right'))
         if n == 0:

@@ -178,6 +178,23 @@ def test_stop_replaces_the_chunk_with_one_hold():
     assert p.tick(0.1, hold_at=hold_at).hold is None
 
 
+def test_a_chunk_that_arrives_before_the_hold_went_out_plays_after_it():
+    # A fault stops the robot and the engine's next chunk lands before the control tick:
+    # the hold still goes out (the robot is held once), then the chunk plays.
+    p, twin = Player(horizon=1.0), Player(horizon=1.0)
+    for q in (p, twin):
+        q.play(ramp())
+        q.tick(0.0, hold_at=hold_at)
+        assert q.stop('fault: injected')
+    p.play(ramp(stamp=0.1))
+    cmd = p.tick(0.1, hold_at=hold_at)
+    assert cmd.hold == 'fault: injected'
+    # The same hold as without the chunk that came in between.
+    np.testing.assert_array_equal(cmd.positions, twin.tick(0.1, hold_at=hold_at).positions)
+    after = p.tick(0.11, hold_at=hold_at)
+    assert after.hold is None and len(after.positions) > 1
+
+
 def test_nothing_within_the_horizon_sends_nothing():
     p = Player(horizon=0.05)
     p.play(ramp())
