@@ -80,6 +80,11 @@ class Recipe:
     ema: float = 0.999
     text_weight: float = 0.2
     narrate_share: float = 0.5  # of the text targets, the rest are questions
+    # A share of each batch drawn from the first `early_steps` steps of the episodes only:
+    # the reach is decided there, from frames that differ only in where the cube is, and
+    # drawn evenly they are a few in a hundred of what training sees.
+    early_share: float = 0.0
+    early_steps: int = 0
     val_episodes: int = 5  # the last episode files, held out
     log_every: int = 50
     val_every: int = 500
@@ -102,6 +107,11 @@ class Recipe:
         if recipe.save_every % recipe.log_every or recipe.val_every % recipe.log_every:
             raise ValueError(f'{path}: save_every and val_every must be multiples of '
                              f'log_every ({recipe.log_every})')
+        if not 0.0 <= recipe.early_share < 1.0 or (recipe.early_share > 0) != (
+                recipe.early_steps > 0):
+            raise ValueError(f'{path}: early_share must be in [0, 1) and given together with '
+                             f'early_steps > 0, got {recipe.early_share} and '
+                             f'{recipe.early_steps}')
         return recipe
 
     def model_config(self) -> ModelConfig:
@@ -331,6 +341,11 @@ class Trainer:
         self.stats = self.train.norm_stats()
         norm = NormStats.from_dict(self.stats)
         self.batches = Batches(self.train, norm, self.tokenizer, self.cfg, recipe)
+        self.early = np.array([i for i, (_, t) in enumerate(self.train.index)
+                               if t < recipe.early_steps], dtype=np.int64)
+        if recipe.early_share and not len(self.early):
+            raise ValueError(f'early_steps {recipe.early_steps}: no observation that early '
+                             f'(one every {recipe.frame_every} steps)')
         self.val_batches = Batches(self.val, norm, self.tokenizer, self.cfg, recipe)
         torch.manual_seed(recipe.seed)
         self.model = Pi05(self.cfg)
@@ -360,6 +375,9 @@ class Trainer:
         r, model = self.recipe, self.model
         model.train()
         idx = torch.randint(len(self.train), (r.batch,), generator=self.g).numpy()
+        n = round(r.batch * r.early_share)
+        if n:  # drawn only when asked, so that recipes without it train as they always did
+            idx[:n] = self.early[torch.randint(len(self.early), (n,), generator=self.g).numpy()]
         batch = self.batches.make(idx, self.g)
         noise = torch.randn(batch['actions'].shape, generator=self.g)
         t = flow_time(r.batch, self.g)

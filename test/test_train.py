@@ -383,3 +383,23 @@ def test_episodes_come_from_several_directories(episodes, tmp_path):
     assert state['val_files'] == ['more/episode_1.hdf5']
     assert state['train_files'] == [f'{episodes.name}/episode_{k}.hdf5' for k in range(4)] \
         + ['more/episode_0.hdf5']
+
+
+def test_a_share_of_each_batch_comes_from_the_first_steps(episodes, tmp_path):
+    """early_share / early_steps: that share of every batch is drawn from observations
+    taken before early_steps in their episode; the rest from all of them."""
+    recipe = train.Recipe.read(recipe_file(tmp_path, early_share=0.5, early_steps=6))
+    t = train.Trainer(recipe, episodes, tmp_path / 'run', 1, progress=False)
+    seen = []
+    make = t.batches.make
+    t.batches.make = lambda idx, g: (seen.append(idx.copy()), make(idx, g))[1]
+    for _ in range(20):
+        t.train_step()
+    steps = np.array([[t.train.index[i][1] for i in idx] for idx in seen])
+    assert steps.shape == (20, 4)
+    assert set(steps[:, :2].ravel()) == {0, 2, 4}  # observations every 2 steps, before 6
+    assert steps[:, 2:].max() >= 6  # the rest from the whole episode
+    for bad in (dict(early_share=0.5), dict(early_steps=6), dict(early_share=1.0,
+                                                                  early_steps=6)):
+        with pytest.raises(ValueError, match='early_share'):
+            train.Recipe.read(recipe_file(tmp_path, **bad))
