@@ -1,7 +1,8 @@
 # The two commands of the README. Each sets up what it needs from nothing (tools/ws.sh).
 .PHONY: demo test build setup bench clean
 
-# ROBOT=aloha_mujoco: the MuJoCo ALOHA (installs requirements-mujoco.txt first), evaluated.
+# The shipped policy on the MuJoCo ALOHA (installs requirements-mujoco.txt first);
+# ROBOT=sim: the random-weight DROID-shaped simulated robot.
 demo:
 	tools/ws.sh demo $(if $(ROBOT),--robot $(ROBOT))
 

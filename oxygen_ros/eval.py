@@ -45,6 +45,7 @@ from oxygen_ros.aloha_sim import (
 )
 from oxygen_ros.demo import config_dir
 from oxygen_ros.demos import ANSWERS, QUESTIONS, Observer, phases_for, transferred
+from oxygen_ros.engine.requests import ENDED_EARLY
 
 ENVS = {'aloha-insertion': 'insertion', 'aloha-transfer-cube': 'transfer_cube'}
 LIFT_REWARD = 2  # gym-aloha's transfer-cube: 2 = the cube lifted in the right gripper
@@ -124,8 +125,9 @@ def summary(episodes: list[dict]) -> dict:
             out.update({what: m, f'{what}_right': k,
                         f'{what}_accuracy': k / m if m else 0.0,
                         f'{what}_95': wilson(k, m)})
-    if episodes and 'unanswered' in episodes[0]:
-        out['unanswered'] = sum(e['unanswered'] for e in episodes)
+    for what in ('unanswered', 'narrations_ended_early'):
+        if episodes and what in episodes[0]:
+            out[what] = sum(e[what] for e in episodes)
     figures = [e['node'] for e in episodes if e.get('node')]
     if figures:
         # The median episode's: one slow start-up does not stand for the run.
@@ -181,14 +183,19 @@ def _judge(what: str, said: list[tuple], steps: list[tuple[float, dict]], verdic
     return {what: len(judged), f'{what}_right': right, f'{what}_judged': judged}
 
 
-def judge_narrations(narrations: list[tuple[float, str]],
+def judge_narrations(narrations: list[tuple],
                      steps: list[tuple[float, dict]]) -> dict:
-    """Narrations (frame stamp, text) against the phases the scene's facts at that frame
-    agree with (demos.phases_for): right when the text is one of them."""
+    """Narrations (frame stamp, text[, why it ended]) against the phases the scene's facts at
+    that frame agree with (demos.phases_for): right when the text is one of them. One that
+    ended early (dropped for a newer request, cancelled, rejected: its text cut short) is
+    counted apart, not judged: it says how the scheduler treated it, not what the model
+    knows."""
     def verdict(item, facts):
         agrees = phases_for(facts)
         return item[1].strip().lower() in agrees, {'text': item[1], 'agrees': list(agrees)}
-    return _judge('narrations', narrations, steps, verdict)
+    whole = [x for x in narrations if len(x) < 3 or x[2] not in ENDED_EARLY]
+    return {**_judge('narrations', whole, steps, verdict),
+            'narrations_ended_early': len(narrations) - len(whole)}
 
 
 def judge_answers(answers: list[tuple[float, str, str]],
@@ -502,7 +509,7 @@ def ros(args, task: str, out: Path) -> list[dict]:
     from rclpy.qos import QoSProfile, ReliabilityPolicy
 
     reliable = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
-    narrations: list = []  # (frame stamp, text) of each ended narration
+    narrations: list = []  # (frame stamp, text, why it ended) of each ended narration
     diagnostics: dict = {}  # the node's latest /diagnostics values
     asker = Asker(round(args.ask_every / DT) if args.ask_every > 0 else 0)
     ask = ActionClient(node, Ask, '/oxygen_node/ask')
@@ -534,11 +541,15 @@ def ros(args, task: str, out: Path) -> list[dict]:
             ask.send_goal_async(Ask.Goal(question=QUESTIONS[key])).add_done_callback(
                 lambda f: on_goal(key, f))
 
+    shown = ['']  # the narration printed last: a narration every frame mostly repeats it
+
     def on_narration(m):
         if m.done:
-            _add(lock, narrations, (seconds(m.header.stamp), m.text))
-            if args.show_language:
-                print(f'  narration at {seconds(m.header.stamp):7.2f} s: {m.text.strip()}',
+            _add(lock, narrations, (seconds(m.header.stamp), m.text, m.reason))
+            if (args.show_language and m.reason not in ENDED_EARLY
+                    and m.text.strip() != shown[0]):
+                shown[0] = m.text.strip()
+                print(f'  narration at {seconds(m.header.stamp):7.2f} s: {shown[0]}',
                       flush=True)
 
     def on_diagnostics(m):
@@ -634,8 +645,12 @@ def ros(args, task: str, out: Path) -> list[dict]:
                 episodes[-1].update(judge_answers(told, scene), unanswered=unanswered)
             # The node's own figures over the episode's last chunks (its clock: simulated).
             episodes[-1]['node'] = {k: float(diag[k]) for k in NODE_FIGURES if k in diag}
+            fig = episodes[-1]['node']
+            rates = (f'; chunks {fig["action_latency_ms_p50"]:.0f} ms after their frame (p50), '
+                     f'frames {fig["frame_ms_p50"]:.0f} ms (p50)'
+                     if {'action_latency_ms_p50', 'frame_ms_p50'} <= fig.keys() else '')
             print(f'oxygen-eval: ROS episode {i + 1}/{args.episodes} seed {seed}: max reward '
-                  f'{max(rewards):g}, {wall:.1f} s, {len(pics)} frames', flush=True)
+                  f'{max(rewards):g}, {wall:.1f} s, {len(pics)} frames{rates}', flush=True)
     finally:
         ask.destroy()
         ex.shutdown(timeout_sec=1.0)
@@ -729,7 +744,8 @@ def main(argv=None) -> int:
     ap.add_argument('--real-time-factor', type=float, default=1.0,
                     help='ROS path: simulated s per wall s at most; 0 = unpaced')
     ap.add_argument('--show-language', action='store_true',
-                    help='ROS path: print each narration and answer as it ends')
+                    help='ROS path: print each answer, and each narration that says something '
+                         'new, as it ends')
     ap.add_argument('--params-file', action='append', default=[], metavar='YAML',
                     help='ROS path: a parameters file for the node alone, after the robot '
                          "files (a robot file's change, say); may be repeated")
@@ -794,8 +810,9 @@ def main(argv=None) -> int:
     for what, asked in (('narrations', args.narrate), ('answers', args.ask_every)):
         if what in report and asked:
             print(f'oxygen-eval: {what} right {report[what + "_right"]}/{report[what]}'
-                  + (f', {report["unanswered"]} questions unanswered'
-                     if what == 'answers' else ''), flush=True)
+                  + (f', {report["unanswered"]} questions unanswered' if what == 'answers'
+                     else f', {report["narrations_ended_early"]} more ended early (not judged)'),
+                  flush=True)
     return 0
 
 

@@ -749,6 +749,8 @@ class RobotLink:
             m.header.stamp.nanosec = int(round((e.stamp - int(e.stamp)) * 1e9)) % 1_000_000_000
             m.request_id = int(e.request_id)
             m.delta, m.text, m.tokens, m.done = e.delta, e.text, int(e.tokens), bool(e.done)
+            if e.done:
+                m.reason, m.message = e.reason, (e.message if e.cancelled else '')
             self.narration_pub.publish(m)
             if e.done:
                 if e.cancelled:

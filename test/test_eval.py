@@ -127,6 +127,13 @@ def test_narrations_and_answers_are_judged_by_the_scene_at_their_frame():
                             (0.06, 'releasing the cube.'), (0.001, 'anything')], scene)
     assert got['narrations'] == 5 and got['narrations_right'] == 3
     assert [j['right'] for j in got['narrations_judged']] == [True, False, True, True, False]
+    # A narration ended early (dropped for a newer request: cut short) is counted, not judged.
+    got = judge_narrations([(0.02, 'reaching for the cube', 'done'),
+                            (0.02, 'reaching for', 'dropped'),
+                            (0.045, 'lifting the cube', 'budget'),
+                            (0.06, 'releasing', 'cancelled')], scene)
+    assert got['narrations'] == 2 and got['narrations_right'] == 2
+    assert got['narrations_ended_early'] == 2
     got = judge_answers([(0.02, 'cube_lifted', 'no'), (0.04, 'cube_in_right', 'yes'),
                          (0.04, 'cube_in_left', 'yes'), (0.06, 'cube_in_left', 'yes '),
                          (0.06, 'cube_lifted', 'maybe')], scene)
@@ -141,10 +148,11 @@ def test_the_summary_counts_narrations_answers_and_the_nodes_figures():
     for seed, (n, k, lat) in enumerate([(10, 9, 40.0), (6, 3, 60.0), (0, 0, 500.0)]):
         e = episode_result(seed, [0.0, 2.0, 4.0], 1.0, 0, None)
         e.update(narrations=n, narrations_right=k, answers=2, answers_right=1,
-                 node={'action_latency_ms_p50': lat})
+                 narrations_ended_early=seed, node={'action_latency_ms_p50': lat})
         eps.append(e)
     s = summary(eps)
     assert (s['narrations'], s['narrations_right']) == (16, 12)
+    assert s['narrations_ended_early'] == 0 + 1 + 2
     assert s['narrations_accuracy'] == 0.75 and s['answers_accuracy'] == 0.5
     assert s['narrations_95'][0] < 0.75 < s['narrations_95'][1]
     assert s['node'] == {'action_latency_ms_p50': 60.0}  # the median episode's

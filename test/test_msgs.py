@@ -14,10 +14,12 @@ def test_narration_fields_round_trip():
     m.text = 'pick the cup'
     m.tokens = 3
     m.done = True
+    m.reason, m.message = 'dropped', 'for a newer request'
     back = deserialize_message(serialize_message(m), msg.Narration)
     assert back.header.stamp.sec == 12 and back.header.stamp.nanosec == 345
     assert back.request_id == 2**40 + 7
     assert (back.delta, back.text, back.tokens, back.done) == (' cup', 'pick the cup', 3, True)
+    assert (back.reason, back.message) == ('dropped', 'for a newer request')
 
 
 def test_narration_field_types():
@@ -28,6 +30,8 @@ def test_narration_field_types():
         'text': 'string',
         'tokens': 'uint32',
         'done': 'boolean',
+        'reason': 'string',
+        'message': 'string',
     }
 
 

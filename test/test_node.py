@@ -457,6 +457,10 @@ def test_narration_deltas_make_the_final_text(robot):
         assert [m.tokens for m in ms] == list(range(1, len(ms) + 1))
         assert len(ms) <= PARAMS['max_new_tokens']
         assert not any(m.done for m in ms[:-1])
+        # Only the last message says why it ended: here its end of sequence or its budget.
+        assert [m.reason for m in ms[:-1]] == [''] * (len(ms) - 1)
+        assert ms[-1].reason in ('done', 'budget') and ms[-1].message == '', ms[-1]
+        assert ms[-1].reason == 'done' or len(ms) == PARAMS['max_new_tokens'], ms[-1]
         assert len({(m.header.stamp.sec, m.header.stamp.nanosec) for m in ms}) == 1
         assert ms[0].header.stamp.sec > 0
         assert ms[-1].text in texts

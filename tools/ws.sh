@@ -195,31 +195,39 @@ case "${1:-}" in
     ;;
   demo)
     shift
+    robot=aloha_mujoco
     if [ "${1:-}" = --robot ]; then
-      case "${2:-}" in
-        aloha_mujoco)
-          # Two insertion episodes of gym-aloha's length through oxygen_node and the MuJoCo
-          # ALOHA on simulated time (oxygen-eval; more with --episodes N, and so on).
-          shift 2
-          sim_setup
-          build
-          use_install
-          cd "$root/install"
-          exec python -m oxygen_ros.eval --env aloha-insertion --episodes 2 "$@"
-          ;;
-        *)
-          echo "tools/ws.sh demo: unknown robot '${2:-}' (aloha_mujoco, or none for the" \
-            "default simulated robot)" >&2
-          exit 2
-          ;;
-      esac
+      robot="${2:-}"
+      shift 2
     fi
-    build
-    use_install
-    # Run from the install space: in the repository root the sources (which lack the
-    # generated oxygen_ros.msg) would shadow the installed package.
-    cd "$root/install"
-    exec python -m oxygen_ros.demo "$@"
+    case "$robot" in
+      aloha_mujoco)
+        # The shipped transfer-cube policy on the MuJoCo ALOHA, through oxygen_node on
+        # simulated time (oxygen-eval): narration whenever it changes, ~/ask answers, then the
+        # episode's success, the node's chunk latency and a video (more with --episodes N,
+        # another start with --seed S, and so on).
+        sim_setup
+        build
+        use_install
+        cd "$root/install"
+        exec python -m oxygen_ros.eval --env aloha-transfer-cube \
+          --checkpoint "$root/install/oxygen_ros/share/oxygen_ros/models/aloha_sim_transfer_cube" \
+          --episodes 1 --seed "${OXYGEN_DEMO_SEED:-0}" --narrate 1 --ask-every 2 --show-language \
+          --out "$root/build/demo" "$@"
+        ;;
+      sim)
+        build
+        use_install
+        # Run from the install space: in the repository root the sources (which lack the
+        # generated oxygen_ros.msg) would shadow the installed package.
+        cd "$root/install"
+        exec python -m oxygen_ros.demo "$@"
+        ;;
+      *)
+        echo "tools/ws.sh demo: unknown robot '$robot' (aloha_mujoco, the default, or sim)" >&2
+        exit 2
+        ;;
+    esac
     ;;
   bench)
     build
