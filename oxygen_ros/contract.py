@@ -79,6 +79,14 @@ PARAMS = (
           '10 s holds a 50-action chunk at 5 Hz', low=0.0, above=True, high=10.0, live=True),
     Param('play_steps', 0, 'play only the first n actions of each chunk, then hold unless a '
           'newer chunk arrived; 0 = all', low=0, live=True),
+    Param('replan_after', 0, "start the next frame only once n actions of the chunk being "
+          "played are out, while the robot plays on (openpi's open_loop_horizon, LeRobot's "
+          "n_action_steps: for a policy trained to act on whole chunks rather than re-plan at "
+          'every frame); 0 = a frame whenever new inputs come', low=0, live=True),
+    Param('open_loop_control', False, "the robot's trajectory controllers start each new "
+          "trajectory from their last command, not from the measured state (JTC's "
+          'open_loop_control, as they are configured): the speed limits then judge each motion '
+          'from the setpoint; false = from where the arm is (Jazzy\'s default)'),
     Param('max_future_stamp', 0.05, 's; inputs stamped further ahead of the node clock are '
           'rejected; a second ahead is clocks out of sync, not latency', low=0.0, high=1.0),
     Param('commander_check', 3.0, 's; how long the node listens on its trajectory topics for '
@@ -227,6 +235,7 @@ FLEET_PARAMS = (
 )
 FLEET_BY_NAME = {p.name: p for p in FLEET_PARAMS}
 ROBOT_KEYS = ('command', 'shadow_margin', 'max_command_horizon', 'play_steps',
+              'replan_after', 'open_loop_control',
               'max_future_stamp', 'limit_hold_margin',
               'publish_predicted', 'robot', 'profile_options', 'cameras', 'camera_topics',
               'camera_slots', 'camera_transports', 'optional_cameras', 'image_qos',

@@ -492,7 +492,8 @@ def ros(args, task: str, out: Path) -> list[dict]:
                    'threads': args.threads, 'denoise_steps': args.denoise_steps,
                    'allow_random_weights': not args.checkpoint, 'autostart': False,
                    'prompt': args.prompt or PROMPTS[task], 'play_steps': args.play_steps,
-                   'mode': args.mode, 'narration_every_n_frames': args.narrate}
+                   'replan_after': args.replan_after, 'mode': args.mode,
+                   'narration_every_n_frames': args.narrate}
     procs = start_rig(out, args.domain, 'eval_params.yaml', {
         'oxygen_node': {'ros__parameters': node_params},
         'oxygen_mujoco_aloha': {'ros__parameters': {
@@ -730,6 +731,10 @@ def main(argv=None) -> int:
     ap.add_argument('--denoise-steps', type=int, default=10)
     ap.add_argument('--play-steps', type=int, default=0, help='actions played per chunk; '
                     "0 = the checkpoint's n_action_steps (direct) / the node's default")
+    ap.add_argument('--replan-after', type=int, default=0, metavar='N',
+                    help="ROS path: the node's replan_after, the next frame once N actions of "
+                    'the chunk are out (the direct path plays --play-steps, then re-plans); '
+                    '0 = a frame whenever new inputs come')
     ap.add_argument('--prompt', default='', help="'' = LeRobot's task description")
     ap.add_argument('--mode', default='oxygen', choices=('oxygen', 'shared_kv', 'isolated'),
                     help="ROS path: the node's scheduling of language beside actions")

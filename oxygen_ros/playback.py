@@ -18,6 +18,7 @@ Plain numpy in and out, so the tests drive it without ROS.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,6 +77,14 @@ def runs_out(chunk: Chunk, play_steps: int = 0) -> float:
     return chunk.stamp + (n - 1) * chunk.period
 
 
+def replan_at(chunk: Chunk | None, after: int) -> float:
+    """When the next frame may start: once `after` actions of `chunk` (the one being played)
+    are out; at once when nothing plays or `after` is 0."""
+    if chunk is None or not after:
+        return -math.inf
+    return chunk.stamp + after * chunk.period
+
+
 @dataclass
 class Command:
     """What to publish now: points at `times` (seconds from now, increasing, > 0)."""
@@ -100,10 +109,12 @@ class Player:
     chunk has arrived (LeRobot's n_action_steps, openpi's open_loop_horizon); 0 = all.
     hold_after: time_from_start of the single hold point (s).
     limits: joint limits applied to every published point (None: none).
+    open_loop: the controller starts each new trajectory from its last command, not from
+    the measured state (JTC's open_loop_control).
     """
 
     def __init__(self, horizon: float, play_steps: int = 0, hold_after: float = 0.01,
-                 limits: JointLimits | None = None):
+                 limits: JointLimits | None = None, open_loop: bool = False):
         if horizon <= 0 or play_steps < 0 or hold_after <= 0:
             raise ValueError(f'horizon and hold_after must be > 0 and play_steps >= 0, got '
                              f'{horizon}, {hold_after}, {play_steps}')
@@ -111,6 +122,7 @@ class Player:
         self.play_steps = play_steps
         self.hold_after = hold_after
         self.limits = limits
+        self.open_loop = open_loop
         # A reading this old or newer says where the arm is better than the setpoint does
         # (a few control periods: about how often a joint stream comes).
         self.recent = max(RECENT_S, 3 * hold_after)
@@ -206,6 +218,12 @@ class Player:
         # The controller starts a new trajectory from the arm's state: a recent reading
         # moved on along the setpoint since it was read, else the setpoint.
         start = self._start(now, hold_at, positions.shape[1])[0]
+        if self.open_loop:
+            # Unless it starts from its last command (JTC's open_loop_control): then the
+            # motion the limits judge starts from the setpoint, wherever the arm lags.
+            sp = self.setpoint(now)
+            if sp is not None:
+                start = np.where(np.isfinite(sp), sp, start)
 
         if self.limits is None:
             vel = vel[:n].copy()

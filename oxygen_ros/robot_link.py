@@ -31,7 +31,7 @@ from oxygen_ros.contract import Config
 from oxygen_ros.frames import Reporter
 from oxygen_ros.inputs import Inputs, problem_key
 from oxygen_ros.limits import describe as describe_limits
-from oxygen_ros.playback import Command, Player, make_chunk, runs_out
+from oxygen_ros.playback import Command, Player, make_chunk, replan_at, runs_out
 from oxygen_ros.shadow import WINDOW_S, Shadow
 
 # How long a robot's diagnostics show ERROR after a fault of the node's own code (s): long
@@ -170,7 +170,8 @@ class RobotLink:
         self.narrate_now = False
         self.frames = 0
         self.player = Player(cfg.p['max_command_horizon'], cfg.p['play_steps'],
-                             hold_after=1.0 / cfg.p['control_rate_hz'], limits=cfg.limits)
+                             hold_after=1.0 / cfg.p['control_rate_hz'], limits=cfg.limits,
+                             open_loop=cfg.p['open_loop_control'])
         self.inputs = Inputs(cfg, self.reporter, self.now)
         self.assembler = self.inputs.assembler
         self._sent_cmd = None  # (monotonic time, times, positions) of the last command sent
@@ -466,6 +467,12 @@ class RobotLink:
         robot and are reported). ``slots``: the engine's image slots."""
         for sub in self.image_subs:
             take(sub, self._input_failed)
+        wait = self._replan_wait(self.now())
+        if wait > 0:
+            # The chunk plays on; the inputs that came meanwhile start the frame when it is
+            # due, and stale ones still hold the robot.
+            self.check(self.now())
+            return None, min(wait, 0.05)
         if self.assembler.fresh():
             # A frame may start: with every joint state received by now, so that it is
             # built from the inputs as they came (a replay of a recording rebuilds it so),
@@ -504,6 +511,11 @@ class RobotLink:
         stamp = min(frame.stamp, now)
         handover = self._handover(stamp, state) if self.cfg.p['rtc'] else None
         return Ready(obs, state, stamp, narrate, handover), 0.0
+
+    def _replan_wait(self, now: float) -> float:
+        """How long until replan_after lets the next frame start (0: now)."""
+        chunk = self.player.chunk if self.player is not None else None
+        return max(0.0, replan_at(chunk, self.cfg.p['replan_after']) - now)
 
     def _handover(self, stamp: float, state: np.ndarray):
         """Where this frame's chunk joins the chunk being played (real-time chunking): its
@@ -550,7 +562,7 @@ class RobotLink:
         end = None if chunk is None else runs_out(chunk, self.player.play_steps)
         stamp = None
         a = self.assembler
-        if a.fresh() and self.stale(now) is None:
+        if a.fresh() and self.stale(now) is None and not self._replan_wait(now):
             got = [a.latest(n) for n in a.trigger]
             stamps = [x.stamp for x in got if x is not None]
             stamp = max(stamps) if stamps else None

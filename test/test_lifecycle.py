@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 rclpy = pytest.importorskip('rclpy')
@@ -259,6 +260,26 @@ def test_parameters_set_live_or_refused_with_a_reason(user):
     assert max(len(m.points) for m in sent) <= 2
     assert max(seconds_of(p.time_from_start) for m in sent for p in m.points) <= 0.2 + 1e-9
     assert user.set_param('play_steps', 0).successful
+    # replan_after: the next frame only once 3 actions (0.3 s) of the chunk are out, while
+    # the robot plays on. Without it a frame starts whenever new inputs come (about every
+    # 0.2 s: the tiny model on this CPU).
+    def frame_gaps(seconds=2.5):
+        n = len(user.predicted)
+        time.sleep(seconds)
+        return np.diff([seconds_of(m.header.stamp) for m in user.predicted[n:]])
+    gaps = frame_gaps()
+    assert len(gaps) >= 5 and np.median(gaps) < 0.25, gaps
+    assert user.set_param('replan_after', 3).successful
+    time.sleep(0.5)
+    t = time.monotonic()
+    gaps = frame_gaps()
+    # A frame is stamped with its newest input, which came up to a camera period (1/30 s)
+    # before the frame could start.
+    assert len(gaps) >= 3 and min(gaps) >= 0.3 - 1 / 30, gaps
+    assert np.median(gaps) == pytest.approx(0.3, abs=0.01), gaps
+    assert len(after(user.traj, t)) >= 50
+    assert user.set_param('replan_after', 0).successful
+    resume(user)
 
 
 def test_sigint_twice_holds_and_exits_cleanly(user):

@@ -1,9 +1,11 @@
 """Chunk playback without ROS: which points are published at time t, the horizon bound,
 play_steps, re-anchoring on the measured state, and holds."""
+import math
+
 import numpy as np
 import pytest
 
-from oxygen_ros.playback import Player, make_chunk, remaining, runs_out
+from oxygen_ros.playback import Player, make_chunk, remaining, replan_at, runs_out
 
 
 def test_chunk_velocities_by_hand():
@@ -147,6 +149,16 @@ def test_runs_out_is_when_the_player_holds(n, play_steps):
     if end - 1e-6 >= chunk.stamp:
         assert before.tick(end - 1e-6, hold_at=hold_at).hold is None
     assert after.tick(end + 1e-6, hold_at=hold_at).hold is not None
+
+
+def test_replan_at_once_n_actions_are_out():
+    # Actions at 2.0, 2.1, ...: with replan_after 45 the next frame may start once actions
+    # 0..44 are out, at 2.0 + 45 * 0.1; 0, or nothing playing, at once.
+    c = make_chunk(2.0, 0.1, np.zeros((50, 2)))
+    assert replan_at(c, 45) == pytest.approx(6.5)
+    assert replan_at(c, 1) == pytest.approx(2.1)
+    assert replan_at(c, 0) == -math.inf
+    assert replan_at(None, 45) == -math.inf
 
 
 def test_play_steps_then_hold_unless_a_newer_chunk():
