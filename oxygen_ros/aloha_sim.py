@@ -101,8 +101,11 @@ class Segments:
 class Controller:
     """joint_trajectory_controller for one joint group, on the simulation's clock."""
 
-    def __init__(self, joints: list[str], position: np.ndarray):
+    def __init__(self, joints: list[str], position: np.ndarray, open_loop: bool = False):
+        """open_loop: JTC's open_loop_control, each new trajectory starts from the last
+        command instead of the measured state."""
         self.joints = list(joints)
+        self.open_loop = open_loop
         self.hold(position)
         self.accepted = 0
         self.rejected: list[str] = []
@@ -129,8 +132,11 @@ class Controller:
         has_vel = all(len(p.velocities) for p in msg.points)
         vel = (np.array([[p.velocities[i] for i in order] for p in msg.points], float)
                if has_vel else None)
-        # Where the joints are now is the point before the first: JTC's start from the
-        # current state (Jazzy's default, closed loop).
+        if self.open_loop:
+            # Where the command is now (JTC's last commanded state), moving as it moves.
+            position, velocity = self.state(now)
+        # Closed loop (Jazzy's default): where the joints are now is the point before the
+        # first.
         self.traj = Segments(times, pos, vel, now, np.array(position, float),
                              np.array(velocity, float))
         self.accepted += 1
@@ -138,28 +144,33 @@ class Controller:
 
     def sample(self, t: float) -> np.ndarray:
         """Position command at sim time t."""
+        return self.state(t)[0]
+
+    def state(self, t: float) -> tuple[np.ndarray, np.ndarray]:
+        """(position, velocity) commanded at sim time t."""
         tr = self.traj
+        rest = np.zeros_like(self.hold_at)
         if tr is None:
-            return self.hold_at
+            return self.hold_at, rest
         if t >= tr.times[-1]:
             self.hold(tr.pos[-1])
-            return self.hold_at
+            return self.hold_at, rest
         k = int(np.searchsorted(tr.times, t, side='right'))  # first point after t
         if k == 0:
             ta, pa, va = tr.t0, tr.p0, tr.v0
             if t < ta:  # before it arrived (not sampled so)
-                return tr.p0
+                return tr.p0, tr.v0
         else:
             ta, pa = tr.times[k - 1], tr.pos[k - 1]
             va = tr.vel[k - 1] if tr.vel is not None else None
         tb, pb = tr.times[k], tr.pos[k]
         if tr.vel is None:
             s = (t - ta) / (tb - ta) if tb > ta else 1.0
-            return pa + s * (pb - pa)
+            return pa + s * (pb - pa), (pb - pa) / (tb - ta) if tb > ta else rest
         vb = tr.vel[k]
         if va is None:
             va = np.zeros_like(pa)
-        return hermite(t, ta, pa, va, tb, pb, vb)[0]
+        return hermite(t, ta, pa, va, tb, pb, vb)
 
 
 def require():

@@ -51,6 +51,8 @@ PARAMS = {
     'seed': (0, 'seed of the first episode'),
     'episode_steps': (0, 'steps of the first episode (0 = no end; ~/reset sets it per episode)'),
     'real_time_factor': (1.0, 'simulated s per wall s at most; 0 = as fast as possible'),
+    'open_loop_control': (False, "the controllers start each new trajectory from their last "
+                          "command, not the measured state (JTC's open_loop_control)"),
     'camera_rate_hz': (25.0, 'images per camera per simulated second (at most 1/DT)'),
     'image_width': (640, 'rendered width (RealSense colour: 640)'),
     'image_height': (480, 'rendered height'),
@@ -90,8 +92,9 @@ class Scene:
     """The simulation and its controllers, independent of ROS: what the node's loop runs."""
 
     def __init__(self, task: str, groups: dict[str, tuple[str, str, list[str]]], width: int,
-                 height: int, seed: int = 0):
+                 height: int, seed: int = 0, open_loop: bool = False):
         self.sim = AlohaSim(task, width, height)
+        self.open_loop = open_loop  # the controllers' open_loop_control
         self.task = task
         self.observer = None  # transfer_cube: what the scene says about the cube
         self.groups = groups  # group -> (side, kind, joints)
@@ -108,7 +111,7 @@ class Scene:
             self.observer = Observer(self.sim)
         self.episode += 1
         self.since = self.sim.time  # trajectories stamped before this are stale
-        self.controllers = {g: Controller(j, self.measured(side, kind)[0])
+        self.controllers = {g: Controller(j, self.measured(side, kind)[0], self.open_loop)
                             for g, (side, kind, j) in self.groups.items()}
 
     def measured(self, side: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -210,7 +213,7 @@ def main(argv=None):
         raise SystemExit('oxygen_mujoco_aloha: joint_topics and joint_sources must name the '
                          f'left and right arms, got {p["joint_topics"]} / {sources}')
     scene = Scene(p['task'], {g: v[:3] for g, v in groups.items()}, int(p['image_width']),
-                  int(p['image_height']), int(p['seed']))
+                  int(p['image_height']), int(p['seed']), bool(p['open_loop_control']))
     episode_steps = int(p['episode_steps'])
 
     sensor = qos_profile_sensor_data

@@ -181,6 +181,25 @@ def test_controller_rejects_what_jtc_rejects_and_goes_on():
     assert c.accepted == 1 and len(c.rejected) == len(bad)
 
 
+def test_open_loop_controller_starts_from_its_command():
+    """JTC's open_loop_control: a new trajectory starts from where the last one's command is
+    at its arrival, moving as it moves (scipy's spline of the first trajectory gives both),
+    whatever the measured state; closed loop starts from the measured state."""
+    first = CubicHermiteSpline([1.0, 1.2], [[0.0], [1.0]], [[0.0], [0.0]])
+    ref = CubicHermiteSpline([1.1, 1.3], [first(1.1), [2.0]], [first(1.1, 1), [0.0]])
+    for open_loop in (True, False):
+        c = Controller(['a'], [0.0], open_loop=open_loop)
+        assert c.receive(traj(['a'], [(0.2, [1.0], [0.0])]), 1.0, [0.0], [0.0]) == ''
+        # The arm lags far behind its command.
+        assert c.receive(traj(['a'], [(0.2, [2.0], [0.0])]), 1.1, [-3.0], [0.5]) == ''
+        if open_loop:
+            for t in np.linspace(1.1, 1.3, 21):
+                np.testing.assert_allclose(c.sample(t), ref(t), atol=1e-12)
+        else:
+            np.testing.assert_allclose(c.state(1.1)[0], [-3.0])
+            np.testing.assert_allclose(c.state(1.1)[1], [0.5])
+
+
 def test_controller_future_stamp_and_positions_only():
     """A trajectory stamped ahead runs, as JTC's, from the state at its arrival (4.0) to its
     first point (stamp 5.0 + 0.1); with positions only, linearly."""

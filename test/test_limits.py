@@ -311,6 +311,34 @@ def test_player_starts_from_the_controllers_velocity():
     np.testing.assert_array_equal(cmd.velocities, [[0.0]])
 
 
+def test_open_loop_controllers_are_limited_from_the_setpoint():
+    """A controller with open_loop_control starts each trajectory from its last command, so
+    the speed limit judges the motion from the setpoint; a closed-loop one starts from the
+    arm, and an arm lagging its command must not be jerked after it."""
+    chunk = ramp_chunk(np.arange(10) * 0.06)  # 0.6/s: under the 1/s limit
+    def lagging():  # read at 0.05: the arm lags behind
+        return np.array([-0.05, 0.0]), np.array([0.05, 0.05])
+    out = {}
+    for open_loop in (False, True):
+        p = Player(horizon=1.0, limits=one_joint(velocity=1.0), open_loop=open_loop)
+        p.play(chunk)
+        p.tick(0.0, hold_at=lambda: np.array([0.0, 0.0]))
+        setpoint, moving = p.setpoint(0.05), p.moving(0.05)
+        assert 0.0 < setpoint[0] < 0.06
+        cmd = p.tick(0.05, hold_at=lagging)
+        start = setpoint if open_loop else np.array([-0.05, 0.0])
+        n = len(cmd.times)
+        ref = one_joint(velocity=1.0).apply(cmd.times, chunk.positions[1:1 + n],
+                                            chunk.velocities[1:1 + n], start, moving, 0.1)
+        np.testing.assert_array_equal(cmd.positions, ref.positions)
+        np.testing.assert_array_equal(cmd.velocities, ref.velocities)
+        out[open_loop] = cmd
+    # From the arm, 0.11 in the 0.05 s to the next action is 2.2/s: slowed. From the
+    # setpoint the chunk's own 0.6/s passes as given.
+    assert out[False].clamped and not out[True].clamped
+    np.testing.assert_allclose(out[True].positions[:, 0], chunk.positions[1:1 + n, 0])
+
+
 def test_player_holds_instead_when_a_target_is_far_beyond():
     p = Player(horizon=0.2, limits=one_joint(margin=0.1))
     # The last action, beyond the horizon, is 0.3 above the range: more than 0.2.
