@@ -97,6 +97,10 @@ PARAMS = (
           'measured position beyond a position limit by more than this holds the robot '
           'instead of being clamped; 1 is a whole range past the limit, 1000 clamps always',
           low=0.0, high=1000.0),
+    Param('glitch_speed_factor', 1.5, "a joint reading that moved faster than this many times "
+          "the joint's speed limit (joint_limits) since the last one is a glitch and dropped; "
+          'a simulated arm in contact, or fingers faster than the command limit, need more',
+          low=1.0, high=1000.0),
     Param('publish_predicted', False, '~/predicted_trajectory: the whole chunk of each frame'),
     # model and engine
     Param('model', '', "model config ('tiny', 'small', 'pi05' or a YAML path); with a "
@@ -236,7 +240,7 @@ FLEET_PARAMS = (
 FLEET_BY_NAME = {p.name: p for p in FLEET_PARAMS}
 ROBOT_KEYS = ('command', 'shadow_margin', 'max_command_horizon', 'play_steps',
               'replan_after', 'open_loop_control',
-              'max_future_stamp', 'limit_hold_margin',
+              'max_future_stamp', 'limit_hold_margin', 'glitch_speed_factor',
               'publish_predicted', 'robot', 'profile_options', 'cameras', 'camera_topics',
               'camera_slots', 'camera_transports', 'optional_cameras', 'image_qos',
               'max_image_pixels', 'max_image_bytes',

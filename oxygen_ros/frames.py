@@ -179,6 +179,12 @@ class Assembler:
             held = list(held) if held else None
         return self._unusable(held, now)
 
+    def seen(self) -> None:
+        """Count every sample held as taken: the next frame waits for a trigger input's next
+        sample (a new activation: what came before may show the robot elsewhere)."""
+        with self._lock:
+            self._taken = self._new = self._seq
+
     def clear(self) -> None:
         """Forget every sample (the clock jumped: their ages mean nothing now)."""
         with self._lock:

@@ -20,9 +20,8 @@ from oxygen_ros.contract import Config
 from oxygen_ros.frames import Frame, JointReadings, Reporter, image_problem, image_to_rgb
 from oxygen_ros.images import Camera
 
-# A reading may move a limited joint this much faster than its speed limit, over the time
-# between two stamps plus this much stamp jitter, before it counts as a glitch.
-GLITCH_SLACK = 0.5
+# A reading may move a limited joint glitch_speed_factor times its speed limit over the time
+# between two stamps plus this much stamp jitter before it counts as a glitch.
 GLITCH_SLACK_S = 0.02
 
 
@@ -60,6 +59,8 @@ class Inputs:
         # Per source, what a reading of a limited controller joint may be: (lowest, highest,
         # speed); outside, or faster than the joint moves from its last reading, a glitch.
         self.plausible: dict[str, dict[str, tuple[float, float, float]]] = {}
+        # Sources whose next reading is taken as it comes (range-checked only): see rebase.
+        self._rebase: set[str] = set()
         if cfg.limits is not None:
             lim = cfg.limits
             for i, (src, joint) in cfg.hold_sources.items():
@@ -138,6 +139,7 @@ class Inputs:
             self.reporter.report(f'glitch:{src}', f'{topic}: {"; ".join(glitches)}: a glitch, '
                                  'message dropped, the last good readings are kept')
             return
+        self._rebase.discard(src)
         merged, oldest = readings.update(got, t)
         limit = self.cfg.p['max_input_age']
         if t - oldest > limit:
@@ -161,13 +163,21 @@ class Inputs:
                 out.append(f'{joint} read {x:.6g}, beyond its range by more than the hold '
                            'margin')
                 continue
-            last = readings.last(joint)
+            last = None if src in self._rebase else readings.last(joint)
             if last is not None and math.isfinite(speed):
                 dx, dt = abs(x - last[0]), abs(t - last[1])
-                if dx > speed * (dt + GLITCH_SLACK_S) * (1 + GLITCH_SLACK):
+                if dx > speed * (dt + GLITCH_SLACK_S) * self.cfg.p['glitch_speed_factor']:
                     out.append(f'{joint} moved {dx:.4g} in {dt * 1e3:.0f} ms, faster than '
                                f'its {speed:.4g}/s')
         return out
+
+    def rebase(self) -> None:
+        """The robot may have been moved since the last readings (a new activation: by hand,
+        by another node, a simulator's reset): each source's next reading is taken as it
+        comes, not judged by how far it is from the last one, and the next frame waits for
+        new trigger inputs."""
+        self._rebase = set(self.readings)
+        self.assembler.seen()
 
     def frame(self, now: float, take: bool = True) -> tuple[Frame | None, str | None]:
         """The assembler's frame at `now`, or None and why not (``take`` False: only look)."""

@@ -273,8 +273,10 @@ class RobotLink:
         with self.lock:
             self.active = True
             self.yielded = ''
-        # While inactive the robot may have been moved: a hold starts from a reading again.
+        # While inactive the robot may have been moved: a hold starts from a reading again,
+        # and frames from inputs that came after this.
         self.player.forget()
+        self.inputs.rebase()
         self._stale_since = None
         self._resume_at = 0.0
 

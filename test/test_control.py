@@ -318,3 +318,47 @@ def test_a_prompt_whose_tokens_would_cut_off_the_state_is_refused():
     c.max_token_len = n - 1
     assert c.check_prompt(tasks[limit + 1]) == (f"prompt of {n} tokens is over the model's "
                                                 f"max_token_len of {n - 1}: it would be cut off")
+
+
+def test_glitches_follow_the_speed_factor_and_a_rebase_takes_the_next_reading():
+    """A reading that moved further than glitch_speed_factor x the speed limit allows since
+    the last one is dropped; after a rebase (a new activation) the next one is taken as it
+    comes, but a reading beyond the range stays a glitch."""
+    from types import SimpleNamespace
+
+    from oxygen_ros.frames import Reporter
+    from oxygen_ros.inputs import GLITCH_SLACK_S, Inputs
+
+    def state(t, x):
+        sec = int(t)
+        return SimpleNamespace(name=['waist'], position=[x], header=SimpleNamespace(
+            stamp=SimpleNamespace(sec=sec, nanosec=int(round((t - sec) * 1e9)))))
+
+    limits = {'joint_limits.right_arm.waist.lower': -1.0,
+              'joint_limits.right_arm.waist.upper': 1.0,
+              'joint_limits.right_arm.waist.velocity': 1.0}
+    for factor in (1.5, 8.0):
+        cfg = Config.from_values(dict(ALOHA, **limits, glitch_speed_factor=factor))
+        said = []
+        inputs = Inputs(cfg, Reporter(said.append, period=0.0), lambda: 10.0)
+        reader = inputs.readings['right']
+        inputs.joints('right', state(9.0, 0.0))
+        # 0.2 rad in 20 ms at 1 rad/s: factor * (0.02 + slack) rad are allowed.
+        inputs.joints('right', state(9.02, 0.2))
+        taken = reader.last('waist')[0] == 0.2
+        assert taken == (0.2 <= factor * (0.02 + GLITCH_SLACK_S)), (factor, said)
+        assert taken == (factor == 8.0)
+    # A rebase: a 0.9 rad jump in one step is taken; the one after is judged again.
+    inputs.rebase()
+    inputs.joints('right', state(9.04, -0.7))
+    assert reader.last('waist')[0] == -0.7
+    inputs.joints('right', state(9.06, 0.7))
+    assert reader.last('waist')[0] == -0.7 and 'a glitch' in said[-1]
+    inputs.rebase()
+    inputs.joints('right', state(9.08, 1.5))  # beyond the range by more than the margin
+    assert reader.last('waist')[0] == -0.7 and 'beyond its range' in said[-1]
+    # And the next frame waits for a trigger input that came after the rebase.
+    inputs.assembler.put('cam_high', object(), 9.08)
+    assert inputs.assembler.fresh()
+    inputs.rebase()
+    assert not inputs.assembler.fresh()
