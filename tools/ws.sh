@@ -205,14 +205,16 @@ case "${1:-}" in
         # The shipped transfer-cube policy on the MuJoCo ALOHA, through oxygen_node on
         # simulated time (oxygen-eval): narration whenever it changes, ~/ask answers, then the
         # episode's success, the node's chunk latency and a video (more with --episodes N,
-        # another start with --seed S, and so on).
+        # another start with --seed S, and so on). The policy acts on whole chunks: a new
+        # frame once 45 of a chunk's 50 actions are out (its model card).
         sim_setup
         build
         use_install
         cd "$root/install"
         exec python -m oxygen_ros.eval --env aloha-transfer-cube \
           --checkpoint "$root/install/oxygen_ros/share/oxygen_ros/models/aloha_sim_transfer_cube" \
-          --episodes 1 --seed "${OXYGEN_DEMO_SEED:-0}" --narrate 1 --ask-every 2 --show-language \
+          --episodes 1 --seed "${OXYGEN_DEMO_SEED:-0}" --replan-after 45 \
+          --narrate 1 --ask-every 2 --show-language \
           --out "$root/build/demo" "$@"
         ;;
       sim)
