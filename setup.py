@@ -25,15 +25,15 @@ setup(
     ],
     entry_points={
         'console_scripts': [
-            'oxygen-bench = oxygen_ros.engine.bench:main',
+            'oxygen-bench = oxygen_ros.bench.engine:main',
             # The MuJoCo ALOHA and its evaluation need requirements-mujoco.txt (and ROS).
-            'oxygen-eval = oxygen_ros.eval:main',
-            'oxygen_mujoco_aloha = oxygen_ros.mujoco_aloha:main',
+            'oxygen-eval = oxygen_ros.sim.eval:main',
+            'oxygen_mujoco_aloha = oxygen_ros.sim.mujoco_aloha:main',
             # Needs requirements-mujoco.txt and h5py.
-            'oxygen-demos = oxygen_ros.demos:main',
-            'oxygen-train = oxygen_ros.train:main',
+            'oxygen-demos = oxygen_ros.sim.demos:main',
+            'oxygen-train = oxygen_ros.sim.train:main',
             # Needs rosbags (requirements-distro.txt) and h5py; not ROS.
-            'oxygen-replay = oxygen_ros.replay:main',
+            'oxygen-replay = oxygen_ros.robot.replay:main',
         ],
     },
 )

@@ -11,7 +11,7 @@ robot runs in the robot's namespace on the same robot file. Robots with files of
 a params file with `robots` and `<robot>.robot_file` given to pi05.launch.py's params_file
 (docs/robots.md, "A fleet").
 
-Past one GPU host, a fleet file names each server's robots (oxygen_ros/fleet_file.py):
+Past one GPU host, a fleet file names each server's robots (oxygen_ros/ros/fleet_file.py):
 
     ros2 launch oxygen_ros fleet.launch.py fleet_file:=fleet.yaml server:=gpu_a
     ros2 launch oxygen_ros fleet.launch.py fleet_file:=fleet.yaml server:=gpu_a standby:=true
@@ -29,7 +29,7 @@ from launch import LaunchDescription
 from launch.actions import OpaqueFunction
 from launch_ros.actions import Node
 
-from oxygen_ros import fleet_file, launch_args
+from oxygen_ros.ros import fleet_file, launch_args
 
 
 def robot_names(text: str) -> list[str]:

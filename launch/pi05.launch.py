@@ -20,7 +20,7 @@ from launch import LaunchDescription
 from launch.actions import OpaqueFunction
 from launch_ros.actions import Node
 
-from oxygen_ros import launch_args
+from oxygen_ros.ros import launch_args
 
 
 def nodes(context):

@@ -46,13 +46,13 @@ from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from test_node import new_domain, node_env, wait_for, write_params  # noqa: E402
 
 import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
-from oxygen_ros.contract import BY_NAME  # noqa: E402
 from oxygen_ros.engine import Engine, EngineConfig, Observation  # noqa: E402
 from oxygen_ros.model.checkpoint import save_checkpoint  # noqa: E402
 from oxygen_ros.model.config import load_config  # noqa: E402
 from oxygen_ros.model.pi05 import Pi05  # noqa: E402
 from oxygen_ros.model.tokenizer import Tokenizer  # noqa: E402
-from oxygen_ros.playback import RECENT_S  # noqa: E402
+from oxygen_ros.robot.contract import BY_NAME  # noqa: E402
+from oxygen_ros.robot.playback import RECENT_S  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tools'))
 from node_load import jtc_problems  # noqa: E402
@@ -250,7 +250,7 @@ def aloha_node(tmp: Path, overrides: dict, domain: str):
     files = [CONFIG / 'pi05.yaml', CONFIG / 'aloha.yaml',
              write_params(tmp / 'test.yaml', overrides)]
     args = [a for f in files for a in ('--params-file', str(f))]
-    proc = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.node', '--ros-args', *args],
+    proc = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args', *args],
                             stdout=log, stderr=subprocess.STDOUT, env=node_env(domain))
     os.environ['ROS_DOMAIN_ID'] = domain
     context = rclpy.Context()

@@ -1,4 +1,4 @@
-"""The MuJoCo ALOHA without ROS (oxygen_ros.aloha_sim) against gym-aloha itself: the same
+"""The MuJoCo ALOHA without ROS (oxygen_ros.sim.aloha_sim) against gym-aloha itself: the same
 physics step for the same action, the gripper mapping against gym-aloha's constants and the
 ALOHA profile's, the shipped joint limits against the model's joint ranges, and the
 trajectory controllers against an independent spline.
@@ -20,16 +20,15 @@ gym_aloha = pytest.importorskip('gym_aloha', reason='the simulator is not instal
 from gym_aloha import constants as gc  # noqa: E402
 from scipy.interpolate import CubicHermiteSpline  # noqa: E402 (a dm-control dependency)
 
-from oxygen_ros import aloha_sim  # noqa: E402
-from oxygen_ros.aloha_sim import (  # noqa: E402
+from oxygen_ros.robot.aloha import (  # noqa: E402
     ARM_JOINTS,
-    AlohaSim,
-    Controller,
     finger_from_gripper,
     gripper_from_finger,
     normalized_from_gripper,
 )
-from oxygen_ros.profiles import make_profile  # noqa: E402
+from oxygen_ros.robot.profiles import make_profile  # noqa: E402
+from oxygen_ros.sim import aloha_sim  # noqa: E402
+from oxygen_ros.sim.aloha_sim import AlohaSim, Controller  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ALOHA = yaml.safe_load((ROOT / 'config' / 'aloha.yaml').read_text())['/**']['ros__parameters']
@@ -71,7 +70,7 @@ def test_gripper_mapping_is_gym_alohas_and_the_profiles():
     """The ALOHA profile's gripper constants are gym-aloha's puppet ones; an action the
     profile decodes to a servo angle lands on the finger position gym-aloha maps the same
     normalised action to; the state the profile normalises is gym-aloha's observation."""
-    from oxygen_ros import profiles
+    from oxygen_ros.robot import profiles
 
     assert profiles.GRIPPER_POSITION_OPEN == gc.PUPPET_GRIPPER_POSITION_OPEN
     assert profiles.GRIPPER_POSITION_CLOSE == gc.PUPPET_GRIPPER_POSITION_CLOSE
@@ -228,7 +227,7 @@ def test_reset_lays_out_gym_alohas_episode(sim):
 def test_stamps_never_step_back():
     """The clock's stamps of step times (sums of 2 ms substeps) rise monotonically."""
     pytest.importorskip('builtin_interfaces')
-    from oxygen_ros.mujoco_aloha import stamp_msg
+    from oxygen_ros.sim.mujoco_aloha import stamp_msg
 
     t, last = 0.0, -1.0
     for _ in range(5000):

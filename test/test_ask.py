@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from oxygen_ros.ask import DECODING, QUEUED, WAITING, Asks, Feedback, Goal, Result
 from oxygen_ros.engine import Engine, EngineConfig, Observation
+from oxygen_ros.engine.ask import DECODING, QUEUED, WAITING, Asks, Feedback, Goal, Result
 from oxygen_ros.engine.engine import TokenEvent
 from oxygen_ros.model import Pi05, load_config
 from oxygen_ros.model.tokenizer import Tokenizer

@@ -2,7 +2,7 @@
 kept in flight are really decoded (no timing is asserted)."""
 import json
 
-from oxygen_ros.engine import ask_bench
+from oxygen_ros.bench import ask as ask_bench
 
 
 def test_ask_bench_runs_and_keeps_questions_in_flight(tmp_path):

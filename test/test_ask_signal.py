@@ -21,9 +21,9 @@ from test_lifecycle import after, is_hold  # noqa: E402
 from test_node import ARM, new_domain, node_process, wait_for  # noqa: E402
 
 import oxygen_ros.action as action_mod  # noqa: E402 (built by colcon; must import)
-from oxygen_ros.ask_server import AskServer  # noqa: E402
 from oxygen_ros.model import Pi05, load_config  # noqa: E402
 from oxygen_ros.model.tokenizer import Tokenizer  # noqa: E402
+from oxygen_ros.ros.ask_server import AskServer  # noqa: E402
 
 Ask = action_mod.Ask
 # Far more tokens than the goals get to decode before the node stops.

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from oxygen_ros.engine import bench
+from oxygen_ros.bench import engine as bench
 
 torch.set_num_threads(1)
 

@@ -2,8 +2,8 @@
 ages the Assembler judges."""
 import pytest
 
-from oxygen_ros.clock import BACK_S, JumpWatch
-from oxygen_ros.frames import Assembler
+from oxygen_ros.robot.clock import BACK_S, JumpWatch
+from oxygen_ros.robot.frames import Assembler
 
 
 def test_a_clock_that_runs_with_the_monotonic_one_never_jumps():

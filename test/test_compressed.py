@@ -14,9 +14,9 @@ import pytest
 
 cv2 = pytest.importorskip('cv2')
 
-from oxygen_ros import contract, frames, images  # noqa: E402
-from oxygen_ros.contract import Config, StartError  # noqa: E402
-from oxygen_ros.scene import render  # noqa: E402
+from oxygen_ros.robot import contract, frames, images  # noqa: E402
+from oxygen_ros.robot.contract import Config, StartError  # noqa: E402
+from oxygen_ros.sim.scene import render  # noqa: E402
 
 NO_BRIDGE = ('cv_bridge is not installed (tools/ws.sh builds it when OXYGEN_CV_BRIDGE_SRC '
              'names cv_bridge-src.tar.gz; .ci/run passes ../shared/ros-overlay/)')

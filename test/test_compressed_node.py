@@ -31,8 +31,8 @@ from test_node import (  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 import oxygen_ros.msg  # noqa: F401, E402 (built by colcon; must import)
-from oxygen_ros.images import encode  # noqa: E402
-from oxygen_ros.scene import render  # noqa: E402
+from oxygen_ros.robot.images import encode  # noqa: E402
+from oxygen_ros.sim.scene import render  # noqa: E402
 
 COMPRESSED = dict(PARAMS, camera_transports=['compressed', 'compressed'],
                   camera_topics=['front/image', 'wrist/image/compressed'])
@@ -178,7 +178,7 @@ def test_sim_robot_with_compressed_images_drives_the_node(tmp_path, codec):
                   image_transport='compressed', image_format=codec, image_width=64,
                   image_height=48, camera_rate_hz=30.0, joint_rate_hz=50.0)
     sim_log = open(tmp_path / 'sim.log', 'w')
-    sim = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.sim_robot', '--ros-args',
+    sim = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.sim.sim_robot', '--ros-args',
                             '--params-file', write_params(tmp_path / 'sim.yaml', params)],
                            stdout=sim_log, stderr=subprocess.STDOUT, env=node_env(domain))
     try:

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from oxygen_ros.contract import (
+from oxygen_ros.robot.contract import (
     BY_NAME,
     PARAMS,
     Config,
@@ -43,7 +43,7 @@ ALOHA = {
 
 def test_problem_key_ignores_numbers():
     pytest.importorskip('rclpy')
-    from oxygen_ros.node import problem_key
+    from oxygen_ros.ros.node import problem_key
 
     a = problem_key('frame', 'cam stale (612 ms old, limit 500 ms)')
     b = problem_key('frame', 'cam stale (1204 ms old, limit 500 ms)')
@@ -57,9 +57,9 @@ def test_problem_key_leaves_out_what_a_sender_controls():
     # Encodings, format strings and payload bytes are quoted or bracketed in the messages:
     # whatever a sender puts there, the key is the same.
     pytest.importorskip('rclpy')
-    from oxygen_ros.frames import image_problem
-    from oxygen_ros.images import check_payload, parse_format
-    from oxygen_ros.node import problem_key
+    from oxygen_ros.robot.frames import image_problem
+    from oxygen_ros.robot.images import check_payload, parse_format
+    from oxygen_ros.ros.node import problem_key
 
     class Msg:
         height, width, step, data = 2, 2, 6, bytes(12)
@@ -326,8 +326,8 @@ def test_glitches_follow_the_speed_factor_and_a_rebase_takes_the_next_reading():
     comes, but a reading beyond the range stays a glitch."""
     from types import SimpleNamespace
 
-    from oxygen_ros.frames import Reporter
-    from oxygen_ros.inputs import GLITCH_SLACK_S, Inputs
+    from oxygen_ros.robot.frames import Reporter
+    from oxygen_ros.robot.inputs import GLITCH_SLACK_S, Inputs
 
     def state(t, x):
         sec = int(t)

@@ -21,7 +21,7 @@ from sensor_msgs.msg import Image, JointState  # noqa: E402
 from test_node import new_domain  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
-from oxygen_ros import frames  # noqa: E402
+from oxygen_ros.robot import frames  # noqa: E402
 
 NO_BRIDGE = ('cv_bridge is not installed (tools/ws.sh builds it when OXYGEN_CV_BRIDGE_SRC '
              'names cv_bridge-src.tar.gz; .ci/run passes ../shared/ros-overlay/)')

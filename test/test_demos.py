@@ -23,8 +23,8 @@ h5py = pytest.importorskip('h5py')
 from gym_aloha.tasks.sim import BimanualViperXTask  # noqa: E402
 from gym_aloha.utils import sample_box_pose  # noqa: E402
 
-from oxygen_ros import demos  # noqa: E402
-from oxygen_ros.aloha_sim import AlohaSim  # noqa: E402
+from oxygen_ros.sim import demos  # noqa: E402
+from oxygen_ros.sim.aloha_sim import AlohaSim  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = [3, 4, 5]
@@ -35,7 +35,7 @@ H, W = 48, 64
 def made(tmp_path_factory):
     out = tmp_path_factory.mktemp('sim_transfer_cube_scripted')
     env = dict(os.environ, OMP_NUM_THREADS='1')
-    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.demos', '--episodes', str(len(SEEDS)),
+    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.sim.demos', '--episodes', str(len(SEEDS)),
                         '--seed', str(SEEDS[0]), '--out', str(out), '--image-size', f'{H}x{W}',
                         '--jobs', '2'],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -89,7 +89,7 @@ def test_the_layout_is_acts(made):
             np.testing.assert_allclose(f['observations/qpos'][0],
                                        BimanualViperXTask.get_qpos(start.physics), atol=1e-6)
             assert f['language/phase'].dtype.kind == 'O'
-    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.demos', '--check', str(out)],
+    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.sim.demos', '--check', str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.count(': ok') == len(SEEDS), r.stdout + r.stderr
 
@@ -109,7 +109,7 @@ def test_check_names_what_is_wrong(made, tmp_path):
     assert any('attribute sim' in p for p in problems), problems
     junk = tmp_path / 'episode_1.hdf5'
     junk.write_text('not HDF5')
-    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.demos', '--check', str(tmp_path)],
+    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.sim.demos', '--check', str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and 'attribute sim' in r.stdout, r.stdout + r.stderr
     assert f'{junk}: cannot read it' in r.stdout
@@ -139,7 +139,7 @@ def replay(sim, f):
 
 
 def state_facts(sim):
-    """The scene's state, computed without oxygen_ros.demos: gym-aloha's qpos, the geom
+    """The scene's state, computed without oxygen_ros.sim.demos: gym-aloha's qpos, the geom
     pairs in MuJoCo's contact list by name (as gym-aloha's reward reads them), the cube's
     lowest corner."""
     p = sim.physics
@@ -283,7 +283,7 @@ def test_the_hold_check_refuses_gym_alohas_false_positive(sim):
     """gym-aloha's reward 4 needs only the left finger on a cube off the table: with the
     right gripper never letting go (both hold it where they met) the reward ends at 4, but
     the episode is refused; so is one whose left gripper opens at the end (the cube falls)."""
-    from oxygen_ros.demos import Kinematics, plan_actions, run
+    from oxygen_ros.sim.demos import Kinematics, plan_actions, run
 
     kin = Kinematics(sim.physics.model.ptr)
     sim.reset(SEEDS[0])

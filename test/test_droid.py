@@ -11,8 +11,8 @@ import pytest
 import yaml
 from test_node import new_domain  # noqa: E402
 
-from oxygen_ros.contract import BY_NAME
-from oxygen_ros.profiles import Droid, make_profile
+from oxygen_ros.robot.contract import BY_NAME
+from oxygen_ros.robot.profiles import Droid, make_profile
 
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / 'config' / 'droid.yaml'
 
@@ -297,7 +297,7 @@ def test_node_reanchors_droid_targets_on_the_lagging_sim_robot(tmp_path):
                   report_every_s=60.0)
     domain = new_domain(120, 220)
     sim_log = open(tmp_path / 'sim.log', 'w')
-    sim = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.sim_robot', '--ros-args',
+    sim = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.sim.sim_robot', '--ros-args',
                             '--params-file', write_params(tmp_path / 'sim.yaml', params)],
                            stdout=sim_log, stderr=subprocess.STDOUT, env=node_env(domain))
     try:

@@ -35,7 +35,7 @@ def run_eval(tmp_path, *args, installed=False):
                                    / 'oxygen_eval')]
         assert (ROOT / 'oxygen_ros' / '__init__.py').is_file()  # the sources are right here
     else:
-        cmd = [sys.executable, '-m', 'oxygen_ros.eval']
+        cmd = [sys.executable, '-m', 'oxygen_ros.sim.eval']
     r = subprocess.run([*cmd, '--episodes', '2',
                         '--seed', '10', '--steps', str(STEPS), '--model', 'small',
                         '--width', '160', '--height', '120', '--out', str(out), *args],
@@ -102,7 +102,7 @@ def test_wilson_intervals_are_the_textbooks(k, n, lo, hi):
     # Wilson's score interval at z = 1.96: 0.2366..0.7634 for 5 of 10, and 0..0.0714 for 0 of
     # 50 (where the normal approximation's interval is 0..0), as statistics texts give them;
     # n of n mirrors 0 of n.
-    from oxygen_ros.eval import wilson
+    from oxygen_ros.sim.eval import wilson
 
     assert wilson(k, n) == pytest.approx((lo, hi), abs=1e-4)
     (a, b), (c, d) = wilson(n - k, n), wilson(k, n)
@@ -110,7 +110,7 @@ def test_wilson_intervals_are_the_textbooks(k, n, lo, hi):
 
 
 def test_narrations_and_answers_are_judged_by_the_scene_at_their_frame():
-    from oxygen_ros.eval import facts_at, judge_answers, judge_narrations
+    from oxygen_ros.sim.eval import facts_at, judge_answers, judge_narrations
 
     def facts(left, right, up):
         return {'cube_in_left': left, 'cube_in_right': right, 'cube_lifted': up,
@@ -142,7 +142,7 @@ def test_narrations_and_answers_are_judged_by_the_scene_at_their_frame():
 
 
 def test_the_summary_counts_narrations_answers_and_the_nodes_figures():
-    from oxygen_ros.eval import episode_result, summary
+    from oxygen_ros.sim.eval import episode_result, summary
 
     eps = []
     for seed, (n, k, lat) in enumerate([(10, 9, 40.0), (6, 3, 60.0), (0, 0, 500.0)]):
@@ -159,8 +159,8 @@ def test_the_summary_counts_narrations_answers_and_the_nodes_figures():
 
 
 def test_the_ros_path_asks_one_question_at_a_time_in_turn():
-    from oxygen_ros.demos import QUESTIONS
-    from oxygen_ros.eval import Asker
+    from oxygen_ros.sim.demos import QUESTIONS
+    from oxygen_ros.sim.eval import Asker
 
     a = Asker(every=25)
     assert a.due(episode=1, step=0, done=False) is None  # no episode started

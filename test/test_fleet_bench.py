@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from oxygen_ros.engine import bench
+from oxygen_ros.bench import engine as bench
 from oxygen_ros.model import load_config
 
 

@@ -326,7 +326,7 @@ def test_ros2_launch_fleet_with_a_sim_robot_each(tmp_path):
 ])
 def test_a_robot_that_does_not_fit_is_an_error_naming_it(tmp_path, domain, right, message):
     params = write_params(tmp_path / 'params.yaml', dict(FLEET, right=right))
-    out = subprocess.run([sys.executable, '-m', 'oxygen_ros.node', '--ros-args',
+    out = subprocess.run([sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
                           '--params-file', params], capture_output=True, text=True,
                          timeout=120, env=node_env(domain))
     assert out.returncode == 1, out.stderr

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from oxygen_ros.frames import (
+from oxygen_ros.robot.frames import (
     Assembler,
     JointReadings,
     Reporter,

@@ -12,14 +12,15 @@ sys.path.insert(0, str(root / 'tools'))
 pytest.importorskip('cv2')
 import fuzz  # noqa: E402
 
-from oxygen_ros import fleet_file, safe_yaml  # noqa: E402
-from oxygen_ros.contract import (  # noqa: E402
+from oxygen_ros.robot import safe_yaml  # noqa: E402
+from oxygen_ros.robot.contract import (  # noqa: E402
     BY_NAME,
     StartError,
     coerce,
     command_line_params,
     read_robot_file,
 )
+from oxygen_ros.ros import fleet_file  # noqa: E402
 
 EXAMPLES = {'raw': 400, 'compressed': 400, 'robot_file': 200, 'fleet_file': 300,
             'params': 200}

@@ -30,8 +30,8 @@ import hosts  # noqa: E402
 from test_launch import HAVE_LAUNCH, NO_LAUNCH, installed  # noqa: E402
 from test_node import WINDOW, keeps_commanding, wait_for  # noqa: E402
 
-from oxygen_ros import fleet_file  # noqa: E402
-from oxygen_ros.robot_link import UNDISCOVERED  # noqa: E402
+from oxygen_ros.ros import fleet_file  # noqa: E402
+from oxygen_ros.ros.robot_link import UNDISCOVERED  # noqa: E402
 
 WHY_NOT = hosts.why_not()
 needs_netns = pytest.mark.skipif(WHY_NOT is not None, reason=f'no network namespaces: {WHY_NOT}')

@@ -321,9 +321,9 @@ def test_mistyped_command_line_value_is_an_error_next_to_a_params_file(tmp_path,
 
 def test_node_started_without_autostart_stays_unconfigured_on_sigterm(tmp_path, domain):
     params = write_params(tmp_path / 'p.yaml', dict(PARAMS, autostart=False))
-    proc = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file',
-                             params], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=node_env(domain))
+    proc = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
+                             '--params-file', params], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=node_env(domain))
     time.sleep(3)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=20)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import yaml
 
-from oxygen_ros.contract import Config, StartError, flatten
-from oxygen_ros.limits import JointLimits, Limit, describe, parse_limits
-from oxygen_ros.playback import Player, make_chunk
+from oxygen_ros.robot.contract import Config, StartError, flatten
+from oxygen_ros.robot.limits import JointLimits, Limit, describe, parse_limits
+from oxygen_ros.robot.playback import Player, make_chunk
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -142,7 +142,7 @@ def adversarial(rng, n):
 def test_checking_points_as_placed_or_all_at_once_agrees(monkeypatch):
     # apply() checks a few points one by one as it places them and many all at once
     # first: the same points either way, to the last bit.
-    import oxygen_ros.limits as limits
+    import oxygen_ros.robot.limits as limits
 
     lim = mixed_limits()
     rng = np.random.default_rng(3)
@@ -164,7 +164,7 @@ def test_the_per_joint_check_is_the_array_check():
     # _fits1 (one joint, floats) must answer as _fits (numpy) does, on the segments between
     # placed points (at the limits by construction, where a slip would show) and between
     # random ones.
-    import oxygen_ros.limits as limits
+    import oxygen_ros.robot.limits as limits
 
     lim = mixed_limits()
     checks = lim._checks

@@ -50,7 +50,7 @@ def test_ask_action_fields_and_constants():
         'request_id': 'uint64', 'stamp': 'builtin_interfaces/Time', 'text': 'string',
         'tokens': 'uint32', 'reason': 'string', 'message': 'string'}
     # The reasons and states the ask module uses, as constants clients can compare with.
-    from oxygen_ros.ask import STATES
+    from oxygen_ros.engine.ask import STATES
     from oxygen_ros.engine.requests import REASONS
     assert {getattr(Ask.Result, r.upper()) for r in REASONS} == set(REASONS)
     assert {getattr(Ask.Feedback, s.upper()) for s in STATES} == set(STATES)

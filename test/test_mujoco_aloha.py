@@ -28,10 +28,10 @@ from sensor_msgs.msg import Image, JointState  # noqa: E402
 from test_node import new_domain, wait_for  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint  # noqa: E402
 
-from oxygen_ros.aloha_sim import finger_from_gripper  # noqa: E402
-from oxygen_ros.eval import robot_params, start_rig  # noqa: E402
-from oxygen_ros.jtc import jtc_problems  # noqa: E402
 from oxygen_ros.msg import SimStep  # noqa: E402
+from oxygen_ros.robot.aloha import finger_from_gripper  # noqa: E402
+from oxygen_ros.sim.eval import robot_params, start_rig  # noqa: E402
+from oxygen_ros.sim.jtc import jtc_problems  # noqa: E402
 from oxygen_ros.srv import SimReset  # noqa: E402
 
 ALOHA = robot_params()

@@ -163,7 +163,7 @@ JITTER = 0.03
 def _along(sent, t):
     """(position, velocity) at t along one trajectory: (arrival, start, start velocity,
     msg) as joint_trajectory_controller interpolates it (aloha_sim's copy of its rules)."""
-    from oxygen_ros.aloha_sim import hermite
+    from oxygen_ros.sim.aloha_sim import hermite
 
     t0, p, v, msg = sent
     for pt in msg.points:
@@ -341,7 +341,7 @@ def domain():
 
 
 @contextlib.contextmanager
-def node_process(tmp, params, domain, name, make, *ros_args, program=('-m', 'oxygen_ros.node')):
+def node_process(tmp, params, domain, name, make, *ros_args, program=('-m', 'oxygen_ros.ros.node')):
     """The installed oxygen_node as its own process with `params`, and a node of ours built
     by `make(node)` and spun in a thread. Yields (process, what make built); `.log()` on
     the latter reads the node's output. `program`: what python runs instead of the node's
@@ -757,7 +757,8 @@ def test_sigterm_holds_and_stops_cleanly(robot):
 def run_node(tmp_path, domain, extra, timeout=60):
     params = write_params(tmp_path / 'params.yaml', PARAMS)
     return subprocess.run(
-        [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file', params, *extra],
+        [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args', '--params-file', params,
+         *extra],
         capture_output=True, text=True, timeout=timeout, env=node_env(domain))
 
 
@@ -822,7 +823,7 @@ def test_a_checkpoint_without_its_tokenizer_fails_configure(tmp_path, domain, pa
     # The checkpoint's own dims (model: ''), no tokenizer given or in its directory.
     params = write_params(tmp_path / 'params.yaml',
                           dict(PARAMS, model='', checkpoint=str(paligemma_sized)))
-    out = subprocess.run([sys.executable, '-m', 'oxygen_ros.node', '--ros-args',
+    out = subprocess.run([sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
                           '--params-file', params], capture_output=True, text=True, timeout=120,
                          env=node_env(domain))
     assert out.returncode == 1, out.stderr

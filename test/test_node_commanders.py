@@ -33,7 +33,7 @@ from test_node import (  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint  # noqa: E402
 
 import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
-from oxygen_ros.robot_link import UNDISCOVERED  # noqa: E402
+from oxygen_ros.ros.robot_link import UNDISCOVERED  # noqa: E402
 
 CHECK = 1.0  # commander_check: short, so the tests wait little
 COMMANDERS = dict(PARAMS, commander_check=CHECK)
@@ -112,7 +112,7 @@ def test_a_second_node_refuses_to_activate_on_a_commanded_robot(other, domain, t
     log = tmp_path / 'second.log'
     with open(log, 'w') as out:
         second = subprocess.Popen(
-            [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file',
+            [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args', '--params-file',
              write_params(tmp_path / 'p.yaml', SECOND), '-r', '__node:=oxygen_node_b',
              '-r', 'front/image:=/remapped/front'],
             stdout=out, stderr=subprocess.STDOUT, env=node_env(domain))

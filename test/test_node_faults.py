@@ -48,7 +48,10 @@ def fired(name, once):
     return True
 
 
-from oxygen_ros import node, robot_link, playback
+from oxygen_ros.robot import playback
+
+
+from oxygen_ros.ros import node, robot_link
 from oxygen_ros.engine import engine
 
 node.HALT_S = 1.0
@@ -67,7 +70,7 @@ def _tick(self, *a, **k):
     return tick(self, *a, **k)
 playback.Player.tick = _tick
 
-from oxygen_ros import contract
+from oxygen_ros.robot import contract
 problem = contract.Config.check_prompt
 def _problem(*a, **k):
     if fired('prompt', True):

@@ -30,7 +30,7 @@ from test_node import (  # noqa: E402
 )
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
-from oxygen_ros.aloha_sim import Controller  # noqa: E402
+from oxygen_ros.sim.aloha_sim import Controller  # noqa: E402
 
 AGE = 0.2
 

@@ -34,8 +34,8 @@ from test_node import (  # noqa: E402
 )
 
 import oxygen_ros.action as action_mod  # noqa: E402 (built by colcon; must import)
-from oxygen_ros.images import encode  # noqa: E402
-from oxygen_ros.scene import render  # noqa: E402
+from oxygen_ros.robot.images import encode  # noqa: E402
+from oxygen_ros.sim.scene import render  # noqa: E402
 
 Ask = action_mod.Ask
 PIXELS, BYTES = 10_000, 40_000  # the 64x48 test images take 3072 pixels, 9216 raw bytes

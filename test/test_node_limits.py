@@ -22,7 +22,7 @@ from test_node import (  # noqa: E402
 )
 
 import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
-from oxygen_ros.playback import RECENT_S  # noqa: E402
+from oxygen_ros.robot.playback import RECENT_S  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'tools'))
 from node_load import jtc_problems  # noqa: E402

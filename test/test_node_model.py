@@ -71,7 +71,7 @@ def test_node_takes_the_checkpoints_cameras_dims_and_horizon(policy, tmp_path, d
     params = write_params(tmp_path / 'params.yaml', PARAMS)
     log = open(tmp_path / 'node.log', 'w')
     proc = subprocess.Popen(
-        [sys.executable, '-m', 'oxygen_ros.node', '--ros-args', '--params-file', params,
+        [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args', '--params-file', params,
          *checkpoint_args(policy), *identity(STATE_DIM)], stdout=log, stderr=subprocess.STDOUT,
         env=node_env(domain))
     try:

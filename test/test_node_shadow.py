@@ -29,7 +29,7 @@ from test_node import (  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint  # noqa: E402
 
 import oxygen_ros.msg  # noqa: F401, E402 (built by colcon; must import)
-from oxygen_ros.shadow import WINDOW_S  # noqa: E402
+from oxygen_ros.robot.shadow import WINDOW_S  # noqa: E402
 
 OPERATOR = 'operator'  # the frame_id of the operator's trajectories, which the node never sets
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from oxygen_ros.playback import Player, make_chunk, remaining, replan_at, runs_out
+from oxygen_ros.robot.playback import Player, make_chunk, remaining, replan_at, runs_out
 
 
 def test_chunk_velocities_by_hand():

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oxygen_ros.aloha_sim import hermite
-from oxygen_ros.limits import JointLimits, Limit
-from oxygen_ros.playback import Player, make_chunk
+from oxygen_ros.robot.limits import JointLimits, Limit
+from oxygen_ros.robot.playback import Player, make_chunk
+from oxygen_ros.sim.aloha_sim import hermite
 
 RATE = 70.0
 DIM = 2

@@ -18,7 +18,7 @@ import pytest
 os.environ.setdefault('MUJOCO_GL', 'egl')
 pytest.importorskip('gym_aloha', reason='the simulator is not installed (tools/ws.sh sim-setup)')
 
-from oxygen_ros.demo import shipped_policy  # noqa: E402
+from oxygen_ros.robot.share import shipped_policy  # noqa: E402
 
 POLICY = shipped_policy()
 OPEN_LOOP_SHARE = 0.25  # of a blind policy's error
@@ -27,7 +27,7 @@ OPEN_LOOP_SHARE = 0.25  # of a blind policy's error
 def evaluate(tmp_path, *args, checkpoint=POLICY, cwd=None):
     out = tmp_path / 'out'
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
-    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.eval', '--env', 'aloha-transfer-cube',
+    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.sim.eval', '--env', 'aloha-transfer-cube',
                         '--checkpoint', str(checkpoint), '--no-video', '--out', str(out), *args],
                        capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
     logs = ''.join(f'\n== {p.name}\n{p.read_text()[-3000:]}' for p in out.glob('*.log'))
@@ -54,11 +54,11 @@ def test_open_loop_chunks_follow_the_script_on_a_held_out_episode(tmp_path):
     import h5py
     import numpy as np
 
-    from oxygen_ros.train import robot_targets
+    from oxygen_ros.sim.train import robot_targets
 
     demos = tmp_path / 'demos'
     env = dict(os.environ, OMP_NUM_THREADS='1')
-    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.demos', '--episodes', '1',
+    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.sim.demos', '--episodes', '1',
                         '--seed', '5000', '--out', str(demos)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from oxygen_ros.profiles import Aloha, Droid, Identity, JointMap, make_profile, readings
+from oxygen_ros.robot.profiles import Aloha, Droid, Identity, JointMap, make_profile, readings
 
 
 def test_identity():

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oxygen_ros import replay
+from oxygen_ros.robot import replay
 
 CONFIG = Path(__file__).resolve().parents[1] / 'config'
 HOLD_S = 1.5  # how long the joint topic is held back
@@ -59,7 +59,7 @@ def recorded(tmp_path_factory):
     from test_node import JOINTS, PARAMS, image, joint_state, new_domain, node_process, wait_for
     from trajectory_msgs.msg import JointTrajectory
 
-    from oxygen_ros.record import Recorder
+    from oxygen_ros.robot.record import Recorder
 
     tmp = tmp_path_factory.mktemp('recorded')
     bags = {'sqlite3': tmp / 'run_sqlite3', 'mcap': tmp / 'run_mcap'}
@@ -260,8 +260,9 @@ def aloha_params(tmp_path_factory):
     import yaml
 
     tmp = tmp_path_factory.mktemp('aloha')
-    model = yaml.safe_load((Path(replay.__file__).parent / 'model' / 'configs' /
-                            'tiny.yaml').read_text())
+    from oxygen_ros.model.config import CONFIG_DIR
+
+    model = yaml.safe_load((CONFIG_DIR / 'tiny.yaml').read_text())
     model.update(name='tiny14', action_dim=16, action_horizon=6, max_token_len=96)
     (tmp / 'tiny14.yaml').write_text(yaml.safe_dump(model))
     over = tmp / 'over.yaml'
@@ -273,8 +274,8 @@ def aloha_params(tmp_path_factory):
 
 def test_hdf5_episodes_report_the_error_an_independent_computation_gives(aloha_params,
                                                                           tmp_path):
-    from oxygen_ros.aloha_sim import finger_from_normalized, gripper_from_finger
     from oxygen_ros.engine import Engine, EngineConfig, Observation
+    from oxygen_ros.robot.aloha import finger_from_normalized, gripper_from_finger
 
     files = {k: write_episode(tmp_path / f'episode_{k}.hdf5', 60, seed=k) for k in range(2)}
     out = tmp_path / 'report'
@@ -443,7 +444,7 @@ def test_a_bag_on_simulated_time_with_compressed_cameras(tmp_path):
     from rosbags.rosbag2 import StoragePlugin, Writer
     from rosbags.typesys import Stores, get_typestore
 
-    from oxygen_ros.images import encode
+    from oxygen_ros.robot.images import encode
 
     store = get_typestore(Stores.ROS2_JAZZY)
     T = store.types

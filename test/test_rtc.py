@@ -195,7 +195,7 @@ def test_engine_joins_a_chunk_given_in_this_frames_terms():
 
 
 def test_rtc_bench_writes_its_table(tmp_path):
-    from oxygen_ros.engine import rtc_bench
+    from oxygen_ros.bench import rtc as rtc_bench
 
     assert rtc_bench.main(['--config', 'tiny', '--frames', '4', '--warmup', '1', '--s', '1',
                            '--delays', '1', '2', '--dims', '8', '--threads', '1',

@@ -3,8 +3,8 @@ reading against the newest chunk that covers its stamp, once, over the last seco
 import numpy as np
 import pytest
 
-from oxygen_ros.playback import make_chunk
-from oxygen_ros.shadow import Shadow
+from oxygen_ros.robot.playback import make_chunk
+from oxygen_ros.robot.shadow import Shadow
 
 
 def chunk(stamp, positions, period=0.1):

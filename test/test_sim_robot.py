@@ -18,7 +18,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # 
 from sensor_msgs.msg import JointState  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint  # noqa: E402
 
-from oxygen_ros.sim_robot import follow  # noqa: E402
+from oxygen_ros.sim.sim_robot import follow  # noqa: E402
 
 
 def test_follow_by_hand():
@@ -51,7 +51,7 @@ def sim_args(*params):
            '-p', 'follow_time_s:=0.01', '-p', 'report_every_s:=60.0']
     for p in params:
         ros += ['-p', p]
-    return [sys.executable, '-m', 'oxygen_ros.sim_robot', *ros]
+    return [sys.executable, '-m', 'oxygen_ros.sim.sim_robot', *ros]
 
 
 def test_negative_speed_ends_with_one_line():

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import yaml
 
-from oxygen_ros.contract import Config, flatten
-from oxygen_ros.playback import Player, make_chunk
+from oxygen_ros.robot.contract import Config, flatten
+from oxygen_ros.robot.playback import Player, make_chunk
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Relative slack for rounding; time_from_start is not truncated to nanoseconds here.

@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 
 from oxygen_ros.model import KV, Pi05, load_config
 from oxygen_ros.model.pi05 import flow_times
-from oxygen_ros.profiles import make_profile
+from oxygen_ros.robot.profiles import make_profile
 
 torch.set_num_threads(2)
 h5py = pytest.importorskip('h5py')
 
-from oxygen_ros import train  # noqa: E402
+from oxygen_ros.sim import train  # noqa: E402
 
 # A tiny model shaped like the trained policy: one camera, the built-in vocabulary, ALOHA's
 # 14 action dims, room for LeRobot's prompt with a 14-d state.
@@ -187,7 +187,7 @@ def test_encode_actions_is_openpis_training_transform(chunk, qpos):
 def write_episodes(root, n=4, steps=40, size=(48, 64), seed=0):
     """Episodes in oxygen-demos' layout, written by its own writer; smooth random motions
     and pictures whose content follows the state (so there is something to learn)."""
-    from oxygen_ros import demos
+    from oxygen_ros.sim import demos
 
     rng = np.random.default_rng(seed)
     t = np.linspace(0, 1, steps)[:, None]

@@ -8,7 +8,7 @@ Run where cv_bridge is sourced (make test builds it when OXYGEN_CV_BRIDGE_SRC is
 tools/ws.sh). Prints the median milliseconds per frame for every encoding each path converts,
 including the private copy the node keeps; frames.BUILT_IN_FIRST is chosen from these numbers.
 
---compressed: on oxygen_ros.scene's synthetic table-top image (smooth wall, wood grain, shaded
+--compressed: on oxygen_ros.sim.scene's synthetic table-top image (smooth wall, wood grain, shaded
 objects with hard edges, sensor noise; not random noise, which no codec compresses), the
 bytes per frame and per second for `--cameras` cameras at `--rate` Hz, raw rgb8 against
 JPEG (quality 80, 90, 95) and PNG (level 3, image_transport's default), compressed as
@@ -21,7 +21,7 @@ import time
 import numpy as np
 from sensor_msgs.msg import Image
 
-from oxygen_ros import frames
+from oxygen_ros.robot import frames
 
 
 def message(encoding: str, width: int, height: int, pixel: int) -> Image:
@@ -42,8 +42,8 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def compressed(args, bridge) -> None:
-    from oxygen_ros import images
-    from oxygen_ros.scene import render
+    from oxygen_ros.robot import images
+    from oxygen_ros.sim.scene import render
 
     rgb = render(args.width, args.height, seed=0)
     raw = rgb.tobytes()

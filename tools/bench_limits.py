@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Cost of the joint limits per control tick: Player.tick of several versions of
-oxygen_ros/limits.py and playback.py, interleaved tick by tick in one run.
+oxygen_ros/robot/limits.py and playback.py, interleaved tick by tick in one run.
 
     python tools/bench_limits.py                        # 5cdb457 (speed only) vs this tree
     python tools/bench_limits.py --revs 5cdb457 eb58720 tree --ticks 700 --repeats 3
@@ -53,7 +53,7 @@ def load(rev: str, where: pathlib.Path):
         else:
             text = subprocess.run(['git', '-C', str(ROOT), 'show', f'{rev}:oxygen_ros/{f}'],
                                   check=True, capture_output=True, text=True).stdout
-        (pkg / f).write_text(text.replace('from oxygen_ros.limits import',
+        (pkg / f).write_text(text.replace('from oxygen_ros.robot.limits import',
                                           'from .limits import'))
     if str(where) not in sys.path:
         sys.path.insert(0, str(where))

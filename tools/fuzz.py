@@ -50,8 +50,8 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oxygen_ros import fleet_file, frames, images  # noqa: E402
-from oxygen_ros.contract import (  # noqa: E402
+from oxygen_ros.robot import frames, images  # noqa: E402
+from oxygen_ros.robot.contract import (  # noqa: E402
     PARAMS,
     Config,
     StartError,
@@ -59,6 +59,7 @@ from oxygen_ros.contract import (  # noqa: E402
     read_robot_file,
     robot_config,
 )
+from oxygen_ros.ros import fleet_file
 
 CAP_PIXELS, CAP_BYTES = 1 << 16, 1 << 20
 

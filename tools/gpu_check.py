@@ -31,9 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oxygen_ros.engine import Engine, EngineConfig, fleet_bench
-from oxygen_ros.engine.bench import observations
-from oxygen_ros.engine.energy import Meter
+from oxygen_ros.bench import fleet as fleet_bench
+from oxygen_ros.bench.energy import Meter
+from oxygen_ros.bench.workload import observations
+from oxygen_ros.engine import Engine, EngineConfig
 from oxygen_ros.engine.engine import random_model
 from oxygen_ros.engine.requests import Request
 from oxygen_ros.model import Pi05, load_config
@@ -149,7 +150,7 @@ def frame_times(model, frames: int, warmup: int) -> list[dict]:
 
 
 def bench(config: str, device: torch.device, out: Path, args, graphs: bool, T, sweep: bool):
-    cmd = [sys.executable, '-m', 'oxygen_ros.engine.bench', '--config', config,
+    cmd = [sys.executable, '-m', 'oxygen_ros.bench.engine', '--config', config,
            '--device', str(device), '--T', *map(str, T), '--modes', 'isolated', 'shared_kv',
            'oxygen', '--N', '10', '--k', '5', '--frames', str(args.frames), '--warmup',
            str(args.warmup), '--repeats', str(args.repeats), '--threads', str(args.threads),
@@ -162,7 +163,7 @@ def bench(config: str, device: torch.device, out: Path, args, graphs: bool, T, s
 
 
 def fleet(config: str, device: torch.device, out: Path, args, T: int):
-    cmd = [sys.executable, '-m', 'oxygen_ros.engine.bench', '--config', config,
+    cmd = [sys.executable, '-m', 'oxygen_ros.bench.engine', '--config', config,
            '--device', str(device), '--robots', *map(str, args.robots), '--T', str(T),
            '--N', '10', '--k', '5', '--frames', str(args.frames), '--warmup',
            str(args.warmup), '--repeats', str(args.repeats), '--threads', str(args.threads),

@@ -56,8 +56,8 @@ def robot_params(path: Path) -> dict:
     return doc['/**']['ros__parameters']
 
 
-# The checker: joint_trajectory_controller's acceptance rules (oxygen_ros/jtc.py).
-from oxygen_ros.jtc import jtc_problems  # noqa: E402, F401
+# The checker: joint_trajectory_controller's acceptance rules (oxygen_ros/sim/jtc.py).
+from oxygen_ros.sim.jtc import jtc_problems  # noqa: E402, F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hosts import stop  # noqa: E402
@@ -293,7 +293,7 @@ def main(argv=None):
            str(robot_file), '--params-file', str(extra)]
     fleet_args = ['--params-file', str(tmp / 'fleet.yaml')] if a.setup == 'fleet' else []
     logs = {n: open(tmp / f'{n}.log', 'w') for n in ('node', *(f'robot{r}' for r in robots))}
-    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.node', *ros, *fleet_args,
+    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.ros.node', *ros, *fleet_args,
                              *node_args],
                             stdout=logs['node'], stderr=subprocess.STDOUT, env=env, cwd=tmp)
     if a.setup == 'aloha':
@@ -302,7 +302,7 @@ def main(argv=None):
                      '--cam-hz', str(a.cam_hz), '--joint-hz', str(a.joint_hz), '--size', a.size,
                      '--camera-qos', a.camera_qos]
     else:
-        robot_cmd = [sys.executable, '-m', 'oxygen_ros.sim_robot', *ros]
+        robot_cmd = [sys.executable, '-m', 'oxygen_ros.sim.sim_robot', *ros]
     # cwd: not the source tree, whose oxygen_ros lacks the generated messages.
     sims = [subprocess.Popen(robot_cmd + (['-r', f'__ns:=/{r}'] if r else []),
                              stdout=logs[f'robot{r}'], stderr=subprocess.STDOUT, env=env,

@@ -7,7 +7,7 @@
 Records a live run first: oxygen_sim_robot and oxygen_node on config/sim.yaml (two 320x240
 cameras at 30 Hz, joints at 100 Hz, the built-in `small` model on the CPU, one torch
 thread) with publish_predicted and frame_noise, as two processes; this one records their
-cameras, joints, commands and the node's ~/predicted_trajectory with oxygen_ros.record for
+cameras, joints, commands and the node's ~/predicted_trajectory with oxygen_ros.robot.record for
 --seconds once the node's chunks come. Then runs `oxygen-replay` on the bag as its own
 process (live frames: every frame the node ran) and prints the replay's wall time, the
 recording's length, their ratio, and what the replay's report says of the live chunks.
@@ -43,8 +43,8 @@ def record(tmp: Path, seconds: float, storage: str) -> Path:
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-    from oxygen_ros.demo import config_dir
-    from oxygen_ros.record import Recorder
+    from oxygen_ros.robot.record import Recorder
+    from oxygen_ros.robot.share import config_dir
 
     sim = config_dir() / 'sim.yaml'
     env = dict(os.environ, ROS_DOMAIN_ID=str(random.randint(100, 230)), OMP_NUM_THREADS='1')
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     bag = record(out, args.seconds, args.storage)
     t0 = time.monotonic()
-    code = subprocess.call([sys.executable, '-m', 'oxygen_ros.replay', str(bag), '--robot',
+    code = subprocess.call([sys.executable, '-m', 'oxygen_ros.robot.replay', str(bag), '--robot',
                             'sim', '-p', 'frame_noise:=true', '--threads', '1', '--out',
                             str(out / 'report'), '--no-progress'], cwd=out)
     wall = time.monotonic() - t0

@@ -240,13 +240,13 @@ def main(argv=None):
     ros = ['--ros-args', '--params-file', str(cfg / 'pi05.yaml'), '--params-file',
            str(robot_file)]
     logs = {n: open(tmp / f'{n}.log', 'w') for n in ('node', *robots)}
-    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.node', *ros, '--params-file',
+    node = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.ros.node', *ros, '--params-file',
                              str(tmp / 'fleet.yaml')], stdout=logs['node'],
                             stderr=subprocess.STDOUT, env=env, cwd=tmp)
     sims = []
     for r in robots:
         extra = ['-p', 'image_transport:=compressed'] if r in compressed else []
-        sims.append(subprocess.Popen([sys.executable, '-m', 'oxygen_ros.sim_robot', *ros,
+        sims.append(subprocess.Popen([sys.executable, '-m', 'oxygen_ros.sim.sim_robot', *ros,
                                       '-r', f'__ns:=/{r}', *extra], stdout=logs[r],
                                      stderr=subprocess.STDOUT, env=env, cwd=tmp))
     os.environ.clear()

@@ -211,7 +211,7 @@ case "${1:-}" in
         build
         use_install
         cd "$root/install"
-        exec python -m oxygen_ros.eval --env aloha-transfer-cube \
+        exec python -m oxygen_ros.sim.eval --env aloha-transfer-cube \
           --checkpoint "$root/install/oxygen_ros/share/oxygen_ros/models/aloha_sim_transfer_cube" \
           --episodes 1 --seed "${OXYGEN_DEMO_SEED:-0}" --replan-after 45 \
           --narrate 1 --ask-every 2 --show-language \
@@ -223,7 +223,7 @@ case "${1:-}" in
         # Run from the install space: in the repository root the sources (which lack the
         # generated oxygen_ros.msg) would shadow the installed package.
         cd "$root/install"
-        exec python -m oxygen_ros.demo "$@"
+        exec python -m oxygen_ros.sim.demo "$@"
         ;;
       *)
         echo "tools/ws.sh demo: unknown robot '$robot' (aloha_mujoco, the default, or sim)" >&2
@@ -235,7 +235,7 @@ case "${1:-}" in
     build
     use_install
     shift
-    exec python -m oxygen_ros.engine.bench --out "$root/benchmarks/out" "$@"
+    exec python -m oxygen_ros.bench.engine --out "$root/benchmarks/out" "$@"
     ;;
   *)
     echo "usage: tools/ws.sh setup|sim-setup|build|test|demo|bench [args]" >&2

@@ -1,6 +1,6 @@
 """Median latency of the model phases on this machine.
 
-    python -m oxygen_ros.model.timing --config small
+    python -m oxygen_ros.bench.timing --config small
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from .config import available, load_config
-from .kv import KV
-from .pi05 import Pi05
+from ..model.config import available, load_config
+from ..model.kv import KV
+from ..model.pi05 import Pi05
 
 
 def _median_ms(fn, repeats: int, warmup: int = 3, sync=lambda: None) -> float:

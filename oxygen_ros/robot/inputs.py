@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from oxygen_ros.contract import Config
-from oxygen_ros.frames import Frame, JointReadings, Reporter, image_problem, image_to_rgb
-from oxygen_ros.images import Camera
+from oxygen_ros.robot.contract import Config
+from oxygen_ros.robot.frames import Frame, JointReadings, Reporter, image_problem, image_to_rgb
+from oxygen_ros.robot.images import Camera
 
 # A reading may move a limited joint glitch_speed_factor times its speed limit over the time
 # between two stamps plus this much stamp jitter before it counts as a glitch.

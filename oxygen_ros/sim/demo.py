@@ -1,6 +1,6 @@
 """Run oxygen_node against the simulated robot for a while and say how it went.
 
-    python -m oxygen_ros.demo [--seconds 20] [--model small] [--params config/sim.yaml]
+    python -m oxygen_ros.sim.demo [--seconds 20] [--model small] [--params config/sim.yaml]
 
 The node and the robot run as two processes (as on a real robot, so neither steals the
 other's interpreter); this process only listens. Counting starts at the first trajectory,
@@ -23,20 +23,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-
-def config_dir() -> Path:
-    try:
-        from ament_index_python.packages import get_package_share_directory
-
-        return Path(get_package_share_directory('oxygen_ros')) / 'config'
-    except Exception:  # not installed with colcon: use the source tree
-        return Path(__file__).resolve().parents[1] / 'config'
-
-
-def shipped_policy() -> Path:
-    """The checkpoint the package ships: pi0.5 trained on scripted transfer-cube
-    demonstrations of the MuJoCo ALOHA (its README is the model card)."""
-    return config_dir().parent / 'models' / 'aloha_sim_transfer_cube'
+from oxygen_ros.robot.share import config_dir
 
 
 def first_group_topic(params_file: Path) -> str:
@@ -119,10 +106,10 @@ def main(argv=None):
     # package. The children run elsewhere.
     away = tempfile.gettempdir()
     procs = {
-        'sim robot': subprocess.Popen([py, '-m', 'oxygen_ros.sim_robot', *ros], env=env,
+        'sim robot': subprocess.Popen([py, '-m', 'oxygen_ros.sim.sim_robot', *ros], env=env,
                                       cwd=away),
-        'node': subprocess.Popen([py, '-m', 'oxygen_ros.node', *ros, '-p', f'model:={args.model}'],
-                                 env=env, cwd=away),
+        'node': subprocess.Popen([py, '-m', 'oxygen_ros.ros.node', *ros,
+                                  '-p', f'model:={args.model}'], env=env, cwd=away),
     }
     rclpy.init()
     node = rclpy.create_node('oxygen_demo_monitor')

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from oxygen_ros.frames import (
+from oxygen_ros.robot.frames import (
     BRIDGE_ENCODINGS,
     ENCODINGS,
     MAX_BYTES,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from oxygen_ros.limits import Finding, JointLimits, position_at, velocity_at
+from oxygen_ros.robot.limits import Finding, JointLimits, position_at, velocity_at
 
 # Commands kept to say where the controller's setpoint was when a reading was taken: two
 # seconds of them at 70 Hz, longer than any reading counts as fresh by default.

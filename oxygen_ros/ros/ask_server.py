@@ -16,8 +16,8 @@ import time
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 
-from .action import Ask
-from .ask import Feedback, Goal, Result
+from oxygen_ros.action import Ask
+from oxygen_ros.engine.ask import Feedback, Goal, Result
 
 
 def stamp_msg(msg, t: float) -> None:

@@ -48,8 +48,8 @@ from rcl_interfaces.msg import (
 )
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 
-from oxygen_ros.ask import Asks
-from oxygen_ros.contract import (
+from oxygen_ros.engine.ask import Asks
+from oxygen_ros.robot.contract import (
     BY_NAME,
     FLEET_BY_NAME,
     GROUP_PARAMS,
@@ -64,9 +64,9 @@ from oxygen_ros.contract import (
     robot_config,
     robot_key,
 )
-from oxygen_ros.frames import Reporter
-from oxygen_ros.inputs import problem_key
-from oxygen_ros.robot_link import RobotLink
+from oxygen_ros.robot.frames import Reporter
+from oxygen_ros.robot.inputs import problem_key
+from oxygen_ros.ros.robot_link import RobotLink
 
 __all__ = ['OxygenNode', 'main', 'problem_key']
 
@@ -534,7 +534,7 @@ class OxygenNode(LifecycleNode):
     def _setup_ros(self):
         from diagnostic_msgs.msg import DiagnosticArray
 
-        from oxygen_ros.ask_server import AskServer
+        from oxygen_ros.ros.ask_server import AskServer
 
         cfg = self.cfg
         for link in self.links:

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..engine.engine import QUESTION_FORMAT, Engine, EngineConfig
 from ..model.tokenizer import subtask_prompt
-from .bench import PROMPT, _median_ms, bench_model, observations
-from .engine import QUESTION_FORMAT, Engine, EngineConfig
+from .workload import PROMPT, _median_ms, bench_model, observations
 
 QUESTIONS = ['is the cup in the gripper?', 'what is left to do?',
              'which object is closest to the gripper?', 'is the drawer open?']

@@ -10,7 +10,7 @@ with the constants gym-aloha and the ALOHA profile share (profiles.GRIPPER_*).
 
 `AlohaSim` steps the physics (DT = 0.02 s, 10 substeps of 2 ms) and renders only the cameras
 asked for. `Controller` is a joint_trajectory_controller for one joint group: it accepts what
-the real one accepts (oxygen_ros.jtc), interpolates cubically through positions and velocities
+the real one accepts (oxygen_ros.sim.jtc), interpolates cubically through positions and velocities
 from where the joints were when the trajectory arrived, and holds the last point after it.
 """
 
@@ -21,51 +21,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from oxygen_ros.jtc import jtc_problems
-from oxygen_ros.profiles import (
-    GRIPPER_JOINT_CLOSE,
-    GRIPPER_JOINT_OPEN,
-    GRIPPER_POSITION_CLOSE,
-    GRIPPER_POSITION_OPEN,
+from oxygen_ros.robot.aloha import (
+    ARM_JOINTS,
+    CAMERAS,
+    SIDES,
+    finger_from_normalized,
 )
+from oxygen_ros.sim.jtc import jtc_problems
 
-ARM_JOINTS = ['waist', 'shoulder', 'elbow', 'forearm_roll', 'wrist_angle', 'wrist_rotate']
-SIDES = ['left', 'right']
 TASKS = {'insertion': 'bimanual_viperx_insertion.xml',
          'transfer_cube': 'bimanual_viperx_transfer_cube.xml'}
-# gym-aloha's camera names; the ROS names are the real ALOHA's (cam_low: the `angle` view, a
-# low camera looking across the table, is the nearest to the real one under the table edge).
-CAMERAS = {'cam_high': 'top', 'cam_low': 'angle', 'cam_left_wrist': 'left_wrist',
-           'cam_right_wrist': 'right_wrist'}
 DT = 0.02
 SUCCESS_REWARD = 4
 
 
 class Unstable(RuntimeError):
     """The physics diverged (MuJoCo's bad-acceleration warning): the episode is over."""
-
-
-def normalized_from_gripper(angle):
-    """Gripper servo angle (rad) -> ALOHA's normalised gripper, 0 closed .. 1 open."""
-    return (np.asarray(angle, float) - GRIPPER_JOINT_CLOSE) / (
-        GRIPPER_JOINT_OPEN - GRIPPER_JOINT_CLOSE)
-
-
-def finger_from_normalized(x):
-    """Normalised gripper -> left_finger travel (m), gym-aloha's mapping of its actions."""
-    return GRIPPER_POSITION_CLOSE + np.asarray(x, float) * (
-        GRIPPER_POSITION_OPEN - GRIPPER_POSITION_CLOSE)
-
-
-def finger_from_gripper(angle):
-    return finger_from_normalized(normalized_from_gripper(angle))
-
-
-def gripper_from_finger(finger):
-    """left_finger (m) -> the servo angle (rad) the follower's JointState reports."""
-    x = (np.asarray(finger, float) - GRIPPER_POSITION_CLOSE) / (
-        GRIPPER_POSITION_OPEN - GRIPPER_POSITION_CLOSE)
-    return GRIPPER_JOINT_CLOSE + x * (GRIPPER_JOINT_OPEN - GRIPPER_JOINT_CLOSE)
 
 
 def seconds(d) -> float:

@@ -51,8 +51,9 @@ from pathlib import Path
 
 import numpy as np
 
-from oxygen_ros.aloha_sim import ARM_JOINTS, CAMERAS, DT, SIDES, SUCCESS_REWARD
-from oxygen_ros.profiles import GRIPPER_POSITION_CLOSE, GRIPPER_POSITION_OPEN
+from oxygen_ros.robot.aloha import ARM_JOINTS, CAMERAS, SIDES
+from oxygen_ros.robot.profiles import GRIPPER_POSITION_CLOSE, GRIPPER_POSITION_OPEN
+from oxygen_ros.sim.aloha_sim import DT, SUCCESS_REWARD
 
 STEPS = 400  # ACT's and LeRobot's episode length for transfer-cube (8 s)
 HOLD_STEPS = 25  # the last steps in which the cube must be held by the left gripper alone
@@ -483,7 +484,7 @@ def run(sim, kin: Kinematics, seed: int, views: Views | None = None,
     """One episode of `seed`: the script's actions (or `actions`) played through
     AlohaSim.step, with what the dataset records (the cameras of `views`) and whether it
     succeeded."""
-    from oxygen_ros.aloha_sim import Unstable
+    from oxygen_ros.sim.aloha_sim import Unstable
 
     t0 = time.monotonic()
     cameras = tuple(views.cams) if views else ()
@@ -636,7 +637,7 @@ _worker: dict = {}  # one process's simulation, kinematics, cameras and settings
 
 def _start(setup):
     """Make this process's simulation (in a worker of the pool, or in the main process)."""
-    from oxygen_ros.aloha_sim import AlohaSim, egl
+    from oxygen_ros.sim.aloha_sim import AlohaSim, egl
 
     egl()
     task, h, w, cameras, compression, keep, out = setup
@@ -710,7 +711,7 @@ def main(argv=None) -> int:
         ap.error(f'unknown cameras {sorted(set(cameras) - known)}; choose from {sorted(known)}')
     from tqdm import tqdm
 
-    from oxygen_ros.aloha_sim import require
+    from oxygen_ros.sim.aloha_sim import require
 
     require()
     out = Path(args.out)

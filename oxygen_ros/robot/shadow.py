@@ -12,7 +12,7 @@ import collections
 
 import numpy as np
 
-from oxygen_ros.playback import Chunk
+from oxygen_ros.robot.playback import Chunk
 
 WINDOW_S = 5.0  # the errors reported (and checked before commanding) are over this long, s
 

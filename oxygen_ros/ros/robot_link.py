@@ -26,13 +26,13 @@ import numpy as np
 from rclpy.callback_groups import CallbackGroup
 from rclpy.serialization import serialize_message
 
-from oxygen_ros.clock import BACK_S, JumpWatch
-from oxygen_ros.contract import Config
-from oxygen_ros.frames import Reporter
-from oxygen_ros.inputs import Inputs, problem_key
-from oxygen_ros.limits import describe as describe_limits
-from oxygen_ros.playback import Command, Player, make_chunk, replan_at, runs_out
-from oxygen_ros.shadow import WINDOW_S, Shadow
+from oxygen_ros.robot.clock import BACK_S, JumpWatch
+from oxygen_ros.robot.contract import Config
+from oxygen_ros.robot.frames import Reporter
+from oxygen_ros.robot.inputs import Inputs, problem_key
+from oxygen_ros.robot.limits import describe as describe_limits
+from oxygen_ros.robot.playback import Command, Player, make_chunk, replan_at, runs_out
+from oxygen_ros.robot.shadow import WINDOW_S, Shadow
 
 # How long a robot's diagnostics show ERROR after a fault of the node's own code (s): long
 # enough for a 1 Hz diagnostics listener to see it.

@@ -50,11 +50,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from oxygen_ros import safe_yaml
-from oxygen_ros.aloha_sim import ARM_JOINTS, CAMERAS, finger_from_normalized, gripper_from_finger
-from oxygen_ros.contract import Config, StartError
-from oxygen_ros.frames import Reporter
-from oxygen_ros.inputs import Inputs, problem_key, seconds
+from oxygen_ros.robot import safe_yaml
+from oxygen_ros.robot.aloha import ARM_JOINTS, CAMERAS, finger_from_normalized, gripper_from_finger
+from oxygen_ros.robot.contract import Config, StartError
+from oxygen_ros.robot.frames import Reporter
+from oxygen_ros.robot.inputs import Inputs, problem_key, seconds
+from oxygen_ros.robot.share import config_dir
 
 NODE = 'oxygen_node'
 # Two stamps within this are the same frame: a stamp goes through a float and back into
@@ -80,12 +81,6 @@ class ReplayError(Exception):
 
 # -- the node's parameters, without ROS -----------------------------------------------------
 
-def config_dir() -> Path:
-    from oxygen_ros.demo import config_dir as where
-
-    return where()
-
-
 def params_files(robot: str, files: list[str]) -> list[Path]:
     """The files the node would read: pi05.yaml and the robot's file for --robot, then
     --params-file's."""
@@ -103,7 +98,7 @@ def node_values(files: list[Path], overrides: list[str]) -> dict:
     """The node's parameter values from params files (their /** and oxygen_node sections,
     file by file, the node's own after the wildcard's) and NAME:=VALUE overrides, flattened
     as ROS flattens them."""
-    from oxygen_ros.contract import flatten
+    from oxygen_ros.robot.contract import flatten
 
     values = {}
     for path in files:
@@ -1140,7 +1135,7 @@ def trajectory(T, p: Predicted, names: list[str], period: float):
     sec = int(p.stamp)
     header = Header(stamp=Time(sec=sec, nanosec=int((p.stamp - sec) * 1e9) % 1_000_000_000),
                     frame_id='')
-    from oxygen_ros.playback import velocities
+    from oxygen_ros.robot.playback import velocities
 
     points = []
     speed = velocities(p.positions, period)

@@ -27,9 +27,9 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory
 
-from oxygen_ros.contract import compressed_topic, is_limit
-from oxygen_ros.images import encode, unavailable
-from oxygen_ros.limits import JointLimits, parse_limits
+from oxygen_ros.robot.contract import compressed_topic, is_limit
+from oxygen_ros.robot.images import encode, unavailable
+from oxygen_ros.robot.limits import JointLimits, parse_limits
 
 PARAMS = {
     'cameras': ([], 'camera names'),

@@ -29,17 +29,14 @@ import time
 
 import numpy as np
 
-from oxygen_ros.aloha_sim import (
+from oxygen_ros.robot.aloha import (
     ARM_JOINTS,
     CAMERAS,
-    DT,
     SIDES,
-    AlohaSim,
-    Controller,
-    Unstable,
     finger_from_gripper,
     gripper_from_finger,
 )
+from oxygen_ros.sim.aloha_sim import DT, AlohaSim, Controller, Unstable
 
 # xs_sdk's joint_states order for a ViperX 300 6DOF.
 JOINT_NAMES = ARM_JOINTS + ['gripper', 'left_finger', 'right_finger']
@@ -106,7 +103,7 @@ class Scene:
     def reset(self, seed: int):
         self.sim.reset(seed)
         if self.task == 'transfer_cube' and self.observer is None:
-            from oxygen_ros.demos import Observer
+            from oxygen_ros.sim.demos import Observer
 
             self.observer = Observer(self.sim)
         self.episode += 1
@@ -184,8 +181,8 @@ def main(argv=None):
     from sensor_msgs.msg import Image, JointState
     from trajectory_msgs.msg import JointTrajectory
 
-    from oxygen_ros.aloha_sim import require
     from oxygen_ros.msg import SimStep
+    from oxygen_ros.sim.aloha_sim import require
     from oxygen_ros.srv import SimReset
 
     require()

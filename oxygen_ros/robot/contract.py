@@ -14,11 +14,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from oxygen_ros import safe_yaml
-from oxygen_ros.frames import MAX_BYTES, MAX_PIXELS, Assembler
-from oxygen_ros.limits import JointLimits, parse_limits
-from oxygen_ros.profiles import JointMap, make_profile
-from oxygen_ros.safe_yaml import shown
+from oxygen_ros.robot import safe_yaml
+from oxygen_ros.robot.frames import MAX_BYTES, MAX_PIXELS, Assembler
+from oxygen_ros.robot.limits import JointLimits, parse_limits
+from oxygen_ros.robot.profiles import JointMap, make_profile
+from oxygen_ros.robot.safe_yaml import shown
 
 QOS_CHOICES = ('sensor_data', 'reliable', 'best_effort')
 
@@ -664,7 +664,7 @@ def _transports(cams, topics, given):
                              f'{topic!r} ends in /compressed (sensor_msgs/CompressedImage): '
                              'say compressed, or give the raw image topic')
         if kind == 'compressed':
-            from oxygen_ros.images import unavailable
+            from oxygen_ros.robot.images import unavailable
 
             why = unavailable()
             if why:

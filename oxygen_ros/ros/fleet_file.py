@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from oxygen_ros import safe_yaml
-from oxygen_ros.safe_yaml import shown
+from oxygen_ros.robot import safe_yaml
+from oxygen_ros.robot.safe_yaml import shown
 
 NAME = re.compile(r'[A-Za-z][A-Za-z0-9_]*')
 

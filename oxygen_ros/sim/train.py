@@ -49,9 +49,6 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file, save_file
 
-from oxygen_ros.aloha_sim import finger_from_normalized
-from oxygen_ros.demo import config_dir
-from oxygen_ros.demos import ANSWERS
 from oxygen_ros.engine.engine import QUESTION_FORMAT
 from oxygen_ros.model import Pi05
 from oxygen_ros.model.checkpoint import save_checkpoint
@@ -59,7 +56,10 @@ from oxygen_ros.model.config import ModelConfig, load_config
 from oxygen_ros.model.kv import KV
 from oxygen_ros.model.processing import NormStats, crop, resize_with_pad, to_model_image
 from oxygen_ros.model.tokenizer import Tokenizer, action_prompt
-from oxygen_ros.profiles import GRIPPER_JOINT_CLOSE, GRIPPER_JOINT_OPEN, make_profile
+from oxygen_ros.robot.aloha import finger_from_normalized
+from oxygen_ros.robot.profiles import GRIPPER_JOINT_CLOSE, GRIPPER_JOINT_OPEN, make_profile
+from oxygen_ros.robot.share import config_dir
+from oxygen_ros.sim.demos import ANSWERS
 
 RECIPE = 'train_transfer_cube.yaml'  # in the package's config directory
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .engine import Engine, EngineConfig, RobotInput
+from ..engine.engine import Engine, EngineConfig, RobotInput
 
 FLEET_MODES = ('fleet', 'sliced', 'separate')
 
@@ -53,7 +53,7 @@ def _sync(device):
 
 
 def _robot_observations(model_cfg, k: int, n: int, cameras: int):
-    from .bench import observations  # the single-robot benchmark's observations
+    from .workload import observations  # the single-robot benchmark's observations
     return {f'r{i}': list(observations(model_cfg, n, cameras, seed=i)) for i in range(k)}
 
 
@@ -113,7 +113,7 @@ def child(mode: str, k: int, T: int, config: str, device: str, threads: int, N: 
           decode_k: int, frames: int, warmup: int, cameras: int, repeats: int,
           graphs: bool = False, control_rate: float = 70.0) -> dict:
     """One mode at K robots, in this process; returns its row."""
-    from .bench import bench_model
+    from .workload import bench_model
     rss0 = _rss_mb()
     model, tok, dev = bench_model(config, device, threads)
     # Rows for every request a robot has in flight: one a round, each lasting T/k rounds.
@@ -235,7 +235,7 @@ def run(args) -> dict:
             root = str(Path(__file__).resolve().parents[2])
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                        PYTHONPATH=os.pathsep.join([root, os.environ.get('PYTHONPATH', '')]))
-            done = subprocess.run([sys.executable, '-m', 'oxygen_ros.engine.fleet_bench',
+            done = subprocess.run([sys.executable, '-m', 'oxygen_ros.bench.fleet',
                                    json.dumps(kw)], env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f'{mode} at {k} robots failed:\n{done.stderr[-3000:]}')

@@ -9,7 +9,7 @@ the old. Jerk is the third difference of the executed trajectory over the action
 cubed. Random weights are enough to see the effect: without RTC every chunk starts from
 fresh noise, so the jump is what two independent samples differ by.
 
-  python -m oxygen_ros.engine.rtc_bench --config small --delays 2 4
+  python -m oxygen_ros.bench.rtc --config small --delays 2 4
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..engine.engine import Engine, EngineConfig, Observation
 from ..model.rtc import Handover
-from .bench import bench_model
-from .engine import Engine, EngineConfig, Observation
+from .workload import bench_model
 
 PROMPT = 'pick up the red cube and place it in the bowl'
 
@@ -82,7 +82,7 @@ def run(engine: Engine, frames: int, warmup: int, s: int, d: int, dims: int,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog='python -m oxygen_ros.engine.rtc_bench',
+    p = argparse.ArgumentParser(prog='python -m oxygen_ros.bench.rtc',
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--config', default='small', help='model config name or YAML path')

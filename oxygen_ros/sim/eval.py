@@ -34,18 +34,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from oxygen_ros.aloha_sim import (
-    ARM_JOINTS,
-    CAMERAS,
-    DT,
-    SUCCESS_REWARD,
-    Unstable,
-    gripper_from_finger,
-    normalized_from_gripper,
-)
-from oxygen_ros.demo import config_dir
-from oxygen_ros.demos import ANSWERS, QUESTIONS, Observer, phases_for, transferred
 from oxygen_ros.engine.requests import ENDED_EARLY
+from oxygen_ros.robot.aloha import ARM_JOINTS, CAMERAS, gripper_from_finger, normalized_from_gripper
+from oxygen_ros.robot.share import config_dir
+from oxygen_ros.sim.aloha_sim import DT, SUCCESS_REWARD, Unstable
+from oxygen_ros.sim.demos import ANSWERS, QUESTIONS, Observer, phases_for, transferred
 
 ENVS = {'aloha-insertion': 'insertion', 'aloha-transfer-cube': 'transfer_cube'}
 LIFT_REWARD = 2  # gym-aloha's transfer-cube: 2 = the cube lifted in the right gripper
@@ -251,7 +244,7 @@ def policy(args, p: dict):
     """(profile, engine, {camera: image slot}) of the direct path and open loop: the engine
     alone on the checkpoint, the ALOHA profile as robot file `p` sets it."""
     from oxygen_ros.engine import Engine, EngineConfig
-    from oxygen_ros.profiles import make_profile
+    from oxygen_ros.robot.profiles import make_profile
 
     profile = make_profile('aloha', **yaml.safe_load(p['profile_options']))
     engine = Engine(EngineConfig(model=args.model, checkpoint=args.checkpoint,
@@ -261,8 +254,8 @@ def policy(args, p: dict):
 
 
 def direct(args, task: str, out: Path) -> list[dict]:
-    from oxygen_ros.aloha_sim import AlohaSim
     from oxygen_ros.engine import Observation
+    from oxygen_ros.sim.aloha_sim import AlohaSim
 
     p = robot_params()
     profile, engine, slots = policy(args, p)
@@ -326,7 +319,7 @@ def open_loop(args, out: Path) -> dict:
     import h5py
 
     from oxygen_ros.engine import Observation
-    from oxygen_ros.train import robot_state, robot_targets
+    from oxygen_ros.sim.train import robot_state, robot_targets
 
     profile, engine, slots = policy(args, robot_params())
     # The seeds the checkpoint was trained on (oxygen-train records them): file names repeat
@@ -430,8 +423,8 @@ def start_rig(out: Path, domain: str | None, name: str, overlay: dict,
     os.environ.update({k: env[k] for k in ('ROS_DOMAIN_ID', 'ROS_AUTOMATIC_DISCOVERY_RANGE',
                                            'FASTRTPS_DEFAULT_PROFILES_FILE') if k in env})
     procs = Processes(out, env)
-    procs.start('robot', 'oxygen_ros.mujoco_aloha', *params)
-    procs.start('node', 'oxygen_ros.node', *params, *ours)
+    procs.start('robot', 'oxygen_ros.sim.mujoco_aloha', *params)
+    procs.start('node', 'oxygen_ros.ros.node', *params, *ours)
     return procs
 
 
@@ -480,7 +473,7 @@ def ros(args, task: str, out: Path) -> list[dict]:
 
     from oxygen_ros.action import Ask
     from oxygen_ros.msg import Narration, SimStep
-    from oxygen_ros.mujoco_aloha import FACTS
+    from oxygen_ros.sim.mujoco_aloha import FACTS
     from oxygen_ros.srv import SimReset
 
     cams = cameras(model_slots(args))
@@ -779,7 +772,7 @@ def main(argv=None) -> int:
     task = ENVS[args.env]
     out = Path(args.out or tempfile.mkdtemp(prefix='oxygen-eval-')).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    from oxygen_ros.aloha_sim import egl, require
+    from oxygen_ros.sim.aloha_sim import egl, require
 
     if args.open_loop:
         if args.open_loop_every < 1:

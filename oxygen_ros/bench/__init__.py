@@ -1,0 +1,1 @@
+"""Benchmarks: scheduling modes, fleets, real-time chunking, questions, energy."""
