@@ -39,8 +39,8 @@ The fixture for CI, where LeRobot is absent (--write-fixture DIR; test/fixtures/
      prompt tokens from its preprocessor, the model's images from PI05Policy.
      _preprocess_images, the chunk from predict_action_chunk(noise) and the postprocessed
      actions; fixture.json records the versions that made it. The engine is checked against
-     it as it is written (as in 6); test/test_lerobot_fixture.py checks it again in CI. Seeded
-     throughout: writing it again with the same versions gives the same bytes.
+     it as it is written (as in 6); test/reference/test_lerobot_fixture.py checks it again
+     in CI. Seeded throughout: writing it again with the same versions gives the same bytes.
 Not covered: bf16 (LeRobot 0.6 also keeps the whole vision tower in fp32, openpi and we only
 its patch/position embeddings), the "causal" prompt flavour itself (LeRobot has none), real
 pi0.5 dims or weights, relative actions and RTC (refused by the engine), and the tokenizer:
@@ -644,8 +644,8 @@ def plain(t):
 
 
 def write_fixture(m, pg, out: Path, lerobot_version: str) -> int:
-    """What test/test_lerobot_fixture.py checks the engine against with LeRobot absent: two
-    tiny policy directories as LeRobot saved them (one per NORM_MAPS flavour, the same
+    """What test/reference/test_lerobot_fixture.py checks the engine against with LeRobot
+    absent: two tiny policy directories as LeRobot saved them (one per NORM_MAPS flavour, the same
     weights), the raw inputs and noise, and what LeRobot computed from them at each stage,
     with every camera and with one left out. The engine is checked against it here too."""
     import shutil

@@ -6,7 +6,7 @@ processes in different namespaces talk DDS over a real (virtual) Ethernet link.
 
 measures oxygen_node (tiny model) commanding two oxygen_sim_robots across the link: the
 robots on one host, the node on another; --one-host puts both on one host with the shipped
-shared-memory profile (config/fastdds.xml) for comparison. test/test_hosts.py uses the same
+shared-memory profile (config/fastdds.xml) for comparison. test/system/test_hosts.py uses the same
 pieces. Needs root (`ip netns add`); everything made is removed on the way out.
 
 Layout: a namespace `<tag>-sw` holds the bridge; each host is a namespace `<tag>-<host>`

@@ -1,7 +1,7 @@
 """Write test/fixtures/openpi_pi05/: openpi's own PyTorch pi0.5 on tiny random weights.
 
-test/test_openpi_fixture.py compares oxygen_ros's model with what is written here, in every
-CI run and without openpi installed. Everything in the fixture comes from openpi's code at
+test/reference/test_openpi_fixture.py compares oxygen_ros's model with what is written here, in
+every CI run and without openpi installed. Everything in the fixture comes from openpi's code at
 one commit (src/openpi/models_pytorch/pi0_pytorch.py, gemma_pytorch.py,
 preprocessing_pytorch.py, its transformers_replace, and PaligemmaTokenizer.tokenize from
 src/openpi/models/tokenizer.py); nothing is imported from oxygen_ros.

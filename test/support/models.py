@@ -1,6 +1,8 @@
 """The tiny random pi0.5 the unit tests run, and inputs for it."""
 import torch
 
+from oxygen_ros.engine import Engine, EngineConfig
+from oxygen_ros.engine.ask import Asks
 from oxygen_ros.model import ModelConfig, Pi05, load_config
 
 
@@ -38,3 +40,14 @@ def observation(cfg: ModelConfig, image_mask, lengths, seed=1):
 # A batch of three with different cameras present and prompt lengths.
 MASKS = [[1, 1, 1], [1, 0, 1], [0, 1, 0]]
 LENGTHS = [24, 10, 3]
+
+
+def asking_engine(model, tokenizer, **kw):
+    """An engine on `model` with ~/ask's logic (Asks) active on it: two rows, five tokens."""
+    cfg = dict(model='tiny', decode_k=1, max_requests=2, max_new_tokens=5, stop_at_eos=False,
+               prompt_format='subtask', admission='reject_newest', max_question_tokens=48)
+    cfg.update(kw)
+    engine = Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)
+    asks = Asks()
+    asks.activate(engine)
+    return engine, asks
