@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import save_file as save_np
-from support.aloha import CAMERAS  # noqa: E402
 from support.lerobot import (  # noqa: E402
     ACTION_DIM,
     ACTION_STATS,
+    CAMERAS,
     CHUNK,
     DENOISE,
     MAPS,
