@@ -6,7 +6,7 @@ raw and compressed.
 
 Run where cv_bridge is sourced (make test builds it when OXYGEN_CV_BRIDGE_SRC is given; see
 tools/ws.sh). Prints the median milliseconds per frame for every encoding each path converts,
-including the private copy the node keeps; frames.BUILT_IN_FIRST is chosen from these numbers.
+including the private copy the node keeps; images.BUILT_IN_FIRST is chosen from these numbers.
 
 --compressed: on oxygen_ros.sim.scene's synthetic table-top image (smooth wall, wood grain, shaded
 objects with hard edges, sensor noise; not random noise, which no codec compresses), the
@@ -21,7 +21,7 @@ import time
 import numpy as np
 from sensor_msgs.msg import Image
 
-from oxygen_ros.robot import frames
+from oxygen_ros.robot import images
 
 
 def message(encoding: str, width: int, height: int, pixel: int) -> Image:
@@ -53,7 +53,7 @@ def compressed(args, bridge) -> None:
     print('| transport | bytes/frame | MB/s, all cameras | encode ms | decode ms, cv2 | '
           'decode ms, cv_bridge |')
     print('|---|---|---|---|---|---|')
-    ms = median_ms(lambda: frames.to_rgb('rgb8', args.height, args.width, args.width * 3, raw),
+    ms = median_ms(lambda: images.to_rgb('rgb8', args.height, args.width, args.width * 3, raw),
                    args.repeats)
     print(f'| raw rgb8 | {len(raw)} | {len(raw) * n / 1e6:.1f} | | {ms:.3f} (built in) | |')
     for codec, value in (('jpeg', 80), ('jpeg', 90), ('jpeg', 95), ('png', 3)):
@@ -79,7 +79,7 @@ def main() -> None:
     p.add_argument('--cameras', type=int, default=4, help='with --compressed (ALOHA: 4)')
     p.add_argument('--rate', type=float, default=60.0, help='with --compressed, Hz')
     args = p.parse_args()
-    bridge = frames.bridge()
+    bridge = images.bridge()
     if args.compressed:
         compressed(args, bridge)
         return
@@ -92,11 +92,11 @@ def main() -> None:
     print(f'{args.width}x{args.height}, median of {args.repeats}, ms per frame')
     print('| encoding | built-in | cv_bridge |')
     print('|---|---|---|')
-    for encoding, pixel in [*frames.ENCODINGS.items(), *frames.BRIDGE_ENCODINGS.items()]:
+    for encoding, pixel in [*images.ENCODINGS.items(), *images.BRIDGE_ENCODINGS.items()]:
         m = message(encoding, args.width, args.height, pixel)
         built_in = ''
-        if encoding in frames.ENCODINGS:
-            ms = median_ms(lambda m=m: frames.to_rgb(m.encoding, m.height, m.width, m.step,
+        if encoding in images.ENCODINGS:
+            ms = median_ms(lambda m=m: images.to_rgb(m.encoding, m.height, m.width, m.step,
                                                      m.data), args.repeats)
             built_in = f'{ms:.3f}'
         ms = median_ms(lambda m=m: via_bridge(m), args.repeats)

@@ -4,11 +4,11 @@ parameters, with hypothesis.
     python tools/fuzz.py [TARGET ...] [--examples N] [--batch B] [--rss-mb M] [--seed S]
 
 Targets (all by default):
-  raw         sensor_msgs/Image-like messages: frames.image_problem, then image_to_rgb
+  raw         sensor_msgs/Image-like messages: images.image_problem, then image_to_rgb
   compressed  images.decode of JPEG, PNG and TIFF payloads OpenCV wrote, mutated (bytes
               flipped, cut, inserted; header sizes, depths and counts overwritten), under
               formats image_transport writes and mutated ones
-  robot_file  contract.read_robot_file of YAML params files (valid ones changed, broken
+  robot_file  params.read_robot_file of YAML params files (valid ones changed, broken
               text, anchors and aliases, deep nesting), then robot_config on what it read
   fleet_file  fleet_file.load of YAML fleet files, likewise
   params      contract.Config.from_values on parameter values of any type, and
@@ -50,15 +50,9 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oxygen_ros.robot import frames, images  # noqa: E402
-from oxygen_ros.robot.contract import (  # noqa: E402
-    PARAMS,
-    Config,
-    StartError,
-    command_line_params,
-    read_robot_file,
-    robot_config,
-)
+from oxygen_ros.robot import images  # noqa: E402
+from oxygen_ros.robot.contract import Config, robot_config  # noqa: E402
+from oxygen_ros.robot.params import PARAMS, StartError, command_line_params, read_robot_file  # noqa: E402
 from oxygen_ros.ros import fleet_file
 
 CAP_PIXELS, CAP_BYTES = 1 << 16, 1 << 20
@@ -216,14 +210,14 @@ def fleet_files(draw) -> bytes:
 
 # -- images ------------------------------------------------------------------------------
 
-RAW_ENCODINGS = sorted(frames.ENCODINGS) + sorted(frames.BRIDGE_ENCODINGS) + [
+RAW_ENCODINGS = sorted(images.ENCODINGS) + sorted(images.BRIDGE_ENCODINGS) + [
     '16UC1', '32FC1', '8UC3', '', 'RGB8', 'yuv422_yuy2 ']
 
 
 @st.composite
 def raw_images(draw):
     enc = draw(st.one_of(st.sampled_from(RAW_ENCODINGS), st.text(max_size=12)))
-    pixel = frames.ENCODINGS.get(enc) or frames.BRIDGE_ENCODINGS.get(enc) or 3
+    pixel = images.ENCODINGS.get(enc) or images.BRIDGE_ENCODINGS.get(enc) or 3
     big = st.integers(0, 2**32 - 1)
     w = draw(st.one_of(st.integers(0, 40), big))
     h = draw(st.one_of(st.integers(0, 40), big))
@@ -241,12 +235,12 @@ def raw_images(draw):
 
 
 def check_raw(msg) -> None:
-    why = frames.image_problem(msg, CAP_PIXELS, CAP_BYTES)
+    why = images.image_problem(msg, CAP_PIXELS, CAP_BYTES)
     if why is not None:
         assert isinstance(why, str) and why
         return
     try:
-        out = frames.image_to_rgb(msg)
+        out = images.image_to_rgb(msg)
     except ValueError:
         return
     assert out.shape == (msg.height, msg.width, 3) and out.dtype == np.uint8, out.shape
@@ -342,7 +336,7 @@ def compressed_images(draw):
             data[i:i] = piece * draw(st.integers(1, 300))
     fmt = draw(st.one_of(st.sampled_from(FORMATS[codec]), st.sampled_from(sum(
         FORMATS.values(), [])), st.text(max_size=30)))
-    via = draw(st.sampled_from(['cv2', 'cv_bridge'] if frames.bridge() else ['cv2']))
+    via = draw(st.sampled_from(['cv2', 'cv_bridge'] if images.bridge() else ['cv2']))
     return fmt, bytes(data), via
 
 

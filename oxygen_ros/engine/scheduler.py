@@ -38,7 +38,7 @@ from .graphs import StaticPhases
 from .kv_cache import KVCache
 from .requests import Request, sample
 
-MODES = ('isolated', 'shared_kv', 'oxygen')
+MODES = ('oxygen', 'shared_kv', 'isolated')  # OxyGen, then the paper's baselines
 ADMISSION = ('drop_oldest', 'reject_newest', 'wait')
 
 

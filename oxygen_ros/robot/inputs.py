@@ -17,8 +17,10 @@ from collections.abc import Callable
 import numpy as np
 
 from oxygen_ros.robot.contract import Config
-from oxygen_ros.robot.frames import Frame, JointReadings, Reporter, image_problem, image_to_rgb
-from oxygen_ros.robot.images import Camera
+from oxygen_ros.robot.frames import JointReadings, Snapshot
+from oxygen_ros.robot.images import Camera, image_problem, image_to_rgb
+from oxygen_ros.robot.report import Reporter
+from oxygen_ros.robot.stamps import seconds
 
 # A reading may move a limited joint glitch_speed_factor times its speed limit over the time
 # between two stamps plus this much stamp jitter before it counts as a glitch.
@@ -32,11 +34,6 @@ def problem_key(kind: str, text: str) -> str:
     before the first of those, so a sender cannot make new keys."""
     words = re.split(r"""['"(\[{<]""", re.sub(r'[-\d.]+', '#', text), maxsplit=1)[0]
     return kind + ':' + words[:80].rstrip()
-
-
-def seconds(stamp) -> float:
-    """A builtin_interfaces/Time (or anything with sec and nanosec) in seconds."""
-    return stamp.sec + stamp.nanosec * 1e-9
 
 
 class Inputs:
@@ -179,11 +176,11 @@ class Inputs:
         self._rebase = set(self.readings)
         self.assembler.seen()
 
-    def frame(self, now: float, take: bool = True) -> tuple[Frame | None, str | None]:
+    def frame(self, now: float, take: bool = True) -> tuple[Snapshot | None, str | None]:
         """The assembler's frame at `now`, or None and why not (``take`` False: only look)."""
         return self.assembler.ready(now, take)
 
-    def observation(self, frame: Frame, slots, prompt: str):
+    def observation(self, frame: Snapshot, slots, prompt: str):
         """(the engine's Observation, the robot-convention state) of a frame; ValueError
         naming the camera whose image does not convert. ``slots``: the engine's."""
         from oxygen_ros.engine import Observation

@@ -52,10 +52,12 @@ import numpy as np
 
 from oxygen_ros.robot import safe_yaml
 from oxygen_ros.robot.aloha import ARM_JOINTS, CAMERAS, finger_from_normalized, gripper_from_finger
-from oxygen_ros.robot.contract import Config, StartError
-from oxygen_ros.robot.frames import Reporter
-from oxygen_ros.robot.inputs import Inputs, problem_key, seconds
+from oxygen_ros.robot.contract import Config
+from oxygen_ros.robot.inputs import Inputs, problem_key
+from oxygen_ros.robot.params import StartError
+from oxygen_ros.robot.report import Reporter
 from oxygen_ros.robot.share import config_dir
+from oxygen_ros.robot.stamps import seconds, split, split_duration
 
 NODE = 'oxygen_node'
 # Two stamps within this are the same frame: a stamp goes through a float and back into
@@ -98,7 +100,7 @@ def node_values(files: list[Path], overrides: list[str]) -> dict:
     """The node's parameter values from params files (their /** and oxygen_node sections,
     file by file, the node's own after the wildcard's) and NAME:=VALUE overrides, flattened
     as ROS flattens them."""
-    from oxygen_ros.robot.contract import flatten
+    from oxygen_ros.robot.params import flatten
 
     values = {}
     for path in files:
@@ -691,8 +693,8 @@ class Episode:
 
 
 def header_at(t: float):
-    sec = int(t)
-    return SimpleNamespace(stamp=SimpleNamespace(sec=sec, nanosec=int(round((t - sec) * 1e9))))
+    sec, ns = split(t)
+    return SimpleNamespace(stamp=SimpleNamespace(sec=sec, nanosec=ns))
 
 
 # -- what followed ---------------------------------------------------------------------------
@@ -1132,21 +1134,19 @@ def trajectory(T, p: Predicted, names: list[str], period: float):
     Duration = T['builtin_interfaces/msg/Duration']
     Header = T['std_msgs/msg/Header']
     Point = T['trajectory_msgs/msg/JointTrajectoryPoint']
-    sec = int(p.stamp)
-    header = Header(stamp=Time(sec=sec, nanosec=int((p.stamp - sec) * 1e9) % 1_000_000_000),
-                    frame_id='')
+    sec, ns = split(p.stamp)
+    header = Header(stamp=Time(sec=sec, nanosec=ns), frame_id='')
     from oxygen_ros.robot.playback import velocities
 
     points = []
     speed = velocities(p.positions, period)
     for k, row in enumerate(p.positions):
-        ns = max(1, int(k * period * 1e9))
+        sec, ns = split_duration(k * period)
         points.append(Point(positions=np.ascontiguousarray(row, dtype=np.float64),
                             velocities=np.ascontiguousarray(speed[k], dtype=np.float64),
                             accelerations=np.zeros(0),
                             effort=np.zeros(0),
-                            time_from_start=Duration(sec=ns // 1_000_000_000,
-                                                     nanosec=ns % 1_000_000_000)))
+                            time_from_start=Duration(sec=sec, nanosec=ns)))
     return T['trajectory_msgs/msg/JointTrajectory'](header=header, joint_names=list(names),
                                                     points=points)
 

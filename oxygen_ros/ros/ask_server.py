@@ -18,12 +18,12 @@ from rclpy.action import ActionServer, CancelResponse, GoalResponse
 
 from oxygen_ros.action import Ask
 from oxygen_ros.engine.ask import Feedback, Goal, Result
+from oxygen_ros.robot.stamps import split
 
 
 def stamp_msg(msg, t: float) -> None:
     """Seconds -> builtin_interfaces/Time fields of ``msg``."""
-    sec = int(t // 1)
-    msg.sec, msg.nanosec = sec, min(int(round((t - sec) * 1e9)), 999_999_999)
+    msg.sec, msg.nanosec = split(t)
 
 
 class _Pause:

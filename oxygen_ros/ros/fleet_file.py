@@ -14,13 +14,11 @@ Plain Python (no ROS): fleet.launch.py reads it, and so can anything that fills 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from oxygen_ros.robot import safe_yaml
+from oxygen_ros.robot.params import identifier
 from oxygen_ros.robot.safe_yaml import shown
-
-NAME = re.compile(r'[A-Za-z][A-Za-z0-9_]*')
 
 
 def servers(doc: dict, source: str = 'fleet file') -> dict[str, list[str]]:
@@ -32,14 +30,14 @@ def servers(doc: dict, source: str = 'fleet file') -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     owner: dict[str, str] = {}
     for server, robots in doc['servers'].items():
-        if not isinstance(server, str) or not NAME.fullmatch(server):
+        if not identifier(server):
             raise ValueError(f'{source}: server {shown(server)} is not a plain name')
         if isinstance(robots, str):
             robots = [robots]
         if not isinstance(robots, list) or not robots:
             raise ValueError(f'{source}: server {server} lists no robots')
         for r in robots:
-            if not isinstance(r, str) or not NAME.fullmatch(r):
+            if not identifier(r):
                 raise ValueError(f'{source}: server {server}: robot {shown(r)} is not a plain '
                                  'name')
             if r in owner:
@@ -69,6 +67,6 @@ def robots_of(path: str | Path, server: str) -> list[str]:
 
 
 def node_name(server: str, standby: bool = False) -> str:
-    if not NAME.fullmatch(server):
+    if not identifier(server):
         raise ValueError(f'server {server!r} is not a plain name')
     return f'oxygen_node_{server}' + ('_standby' if standby else '')

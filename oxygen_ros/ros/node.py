@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import signal
 import sys
 import threading
@@ -49,23 +48,23 @@ from rcl_interfaces.msg import (
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 
 from oxygen_ros.engine.ask import Asks
-from oxygen_ros.robot.contract import (
+from oxygen_ros.robot.contract import Config, robot_config
+from oxygen_ros.robot.inputs import problem_key
+from oxygen_ros.robot.params import (
     BY_NAME,
     FLEET_BY_NAME,
     GROUP_PARAMS,
     LIMIT_PARAM,
     PARAMS,
-    Config,
     StartError,
     coerce,
     command_line_params,
+    identifier,
     is_limit,
     read_robot_file,
-    robot_config,
     robot_key,
 )
-from oxygen_ros.robot.frames import Reporter
-from oxygen_ros.robot.inputs import problem_key
+from oxygen_ros.robot.report import Reporter
 from oxygen_ros.ros.robot_link import RobotLink
 
 __all__ = ['OxygenNode', 'main', 'problem_key']
@@ -161,7 +160,7 @@ class OxygenNode(LifecycleNode):
         from rclpy.exceptions import ParameterUninitializedException
 
         # dynamic_typing: a YAML `70` for a float parameter is fine; types are checked by
-        # contract.coerce with a message that names the parameter.
+        # params.coerce with a message that names the parameter.
         desc = ParameterDescriptor(description=p.description + _range_note(p),
                                    dynamic_typing=True, read_only=not p.live)
         high = p.high
@@ -187,7 +186,7 @@ class OxygenNode(LifecycleNode):
         values = {p.name: self._declare(p.name, p) for p in PARAMS}
         groups = coerce('output_groups', values['output_groups'], BY_NAME['output_groups'])
         for g in groups:
-            if not re.fullmatch(r'[A-Za-z][A-Za-z0-9_]*', g):
+            if not identifier(g):
                 continue  # not a parameter name: Config says so below
             for p in GROUP_PARAMS:
                 values[f'outputs.{g}.{p.name}'] = self._declare(f'outputs.{g}.{p.name}', p)

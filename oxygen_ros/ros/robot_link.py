@@ -28,11 +28,12 @@ from rclpy.serialization import serialize_message
 
 from oxygen_ros.robot.clock import BACK_S, JumpWatch
 from oxygen_ros.robot.contract import Config
-from oxygen_ros.robot.frames import Reporter
 from oxygen_ros.robot.inputs import Inputs, problem_key
 from oxygen_ros.robot.limits import describe as describe_limits
 from oxygen_ros.robot.playback import Command, Player, make_chunk, replan_at, runs_out
+from oxygen_ros.robot.report import Reporter
 from oxygen_ros.robot.shadow import WINDOW_S, Shadow
+from oxygen_ros.robot.stamps import split, split_duration
 
 # How long a robot's diagnostics show ERROR after a fault of the node's own code (s): long
 # enough for a 1 Hz diagnostics listener to see it.
@@ -40,8 +41,8 @@ FAULT_SHOWN_S = 5.0
 def duration(dt: float):
     from builtin_interfaces.msg import Duration
 
-    ns = max(1, int(dt * 1e9))
-    return Duration(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+    sec, ns = split_duration(dt)
+    return Duration(sec=sec, nanosec=ns)
 
 
 class Polled(CallbackGroup):
@@ -742,8 +743,7 @@ class RobotLink:
         from trajectory_msgs.msg import JointTrajectoryPoint
 
         msg = self._msgs['JointTrajectory']()
-        msg.header.stamp.sec = int(chunk.stamp)
-        msg.header.stamp.nanosec = int((chunk.stamp - int(chunk.stamp)) * 1e9) % 1_000_000_000
+        msg.header.stamp.sec, msg.header.stamp.nanosec = split(chunk.stamp)
         names = self.cfg.output_names
         idx = list(names)
         msg.joint_names = list(names.values())
@@ -759,8 +759,7 @@ class RobotLink:
             if e.kind != 'narration':
                 continue  # questions are answered through ~/ask
             m = Narration()
-            m.header.stamp.sec = int(e.stamp)
-            m.header.stamp.nanosec = int(round((e.stamp - int(e.stamp)) * 1e9)) % 1_000_000_000
+            m.header.stamp.sec, m.header.stamp.nanosec = split(e.stamp)
             m.request_id = int(e.request_id)
             m.delta, m.text, m.tokens, m.done = e.delta, e.text, int(e.tokens), bool(e.done)
             if e.done:

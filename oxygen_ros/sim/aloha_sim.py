@@ -27,6 +27,7 @@ from oxygen_ros.robot.aloha import (
     SIDES,
     finger_from_normalized,
 )
+from oxygen_ros.robot.stamps import seconds
 from oxygen_ros.sim.jtc import jtc_problems
 
 TASKS = {'insertion': 'bimanual_viperx_insertion.xml',
@@ -37,10 +38,6 @@ SUCCESS_REWARD = 4
 
 class Unstable(RuntimeError):
     """The physics diverged (MuJoCo's bad-acceleration warning): the episode is over."""
-
-
-def seconds(d) -> float:
-    return d.sec + d.nanosec * 1e-9
 
 
 def hermite(t, t0, p0, v0, t1, p1, v1):

@@ -35,8 +35,10 @@ import numpy as np
 import yaml
 
 from oxygen_ros.engine.requests import ENDED_EARLY
+from oxygen_ros.engine.scheduler import MODES
 from oxygen_ros.robot.aloha import ARM_JOINTS, CAMERAS, gripper_from_finger, normalized_from_gripper
 from oxygen_ros.robot.share import config_dir
+from oxygen_ros.robot.stamps import seconds
 from oxygen_ros.sim.aloha_sim import DT, SUCCESS_REWARD, Unstable
 from oxygen_ros.sim.demos import ANSWERS, QUESTIONS, Observer, phases_for, transferred
 
@@ -659,11 +661,6 @@ def _add(lock, items, m):
         items.append(m)
 
 
-def seconds(stamp) -> float:
-    """A builtin_interfaces/Time in seconds."""
-    return stamp.sec + stamp.nanosec * 1e-9
-
-
 class Asker:
     """When the ROS path asks ~/ask about the cube: one question at a time, at every
     `every`-th step of the episode being run, the facts' questions in turn; a question
@@ -729,7 +726,7 @@ def main(argv=None) -> int:
                     'the chunk are out (the direct path plays --play-steps, then re-plans); '
                     '0 = a frame whenever new inputs come')
     ap.add_argument('--prompt', default='', help="'' = LeRobot's task description")
-    ap.add_argument('--mode', default='oxygen', choices=('oxygen', 'shared_kv', 'isolated'),
+    ap.add_argument('--mode', default='oxygen', choices=MODES,
                     help="ROS path: the node's scheduling of language beside actions")
     ap.add_argument('--narrate', type=int, default=0, metavar='N',
                     help="ROS path: a narration every N frames (the node's "

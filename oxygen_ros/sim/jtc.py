@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from oxygen_ros.robot.stamps import seconds
+
 
 def jtc_problems(msg, joints: list[str], now: float) -> list[str]:
     """Why joint_trajectory_controller (Jazzy defaults: no partial goals, no non-zero end
@@ -25,7 +27,7 @@ def jtc_problems(msg, joints: list[str], now: float) -> list[str]:
         return out
     prev = -math.inf
     for k, p in enumerate(msg.points):
-        t = p.time_from_start.sec + p.time_from_start.nanosec * 1e-9
+        t = seconds(p.time_from_start)
         if t <= prev:
             out.append(f'time_from_start not increasing at point {k}')
         prev = t
@@ -41,7 +43,7 @@ def jtc_problems(msg, joints: list[str], now: float) -> list[str]:
     last = msg.points[-1]
     if any(v != 0.0 for v in last.velocities):
         out.append('trajectory ends with non-zero velocity')
-    stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+    stamp = seconds(msg.header.stamp)
     if stamp > 0 and stamp + prev < now:
         out.append('whole trajectory lies in the past')
     return out

@@ -36,6 +36,7 @@ from oxygen_ros.robot.aloha import (
     finger_from_gripper,
     gripper_from_finger,
 )
+from oxygen_ros.robot.stamps import seconds, split
 from oxygen_ros.sim.aloha_sim import DT, AlohaSim, Controller, Unstable
 
 # xs_sdk's joint_states order for a ViperX 300 6DOF.
@@ -120,7 +121,7 @@ class Scene:
 
     def receive(self, group: str, msg) -> str:
         """'' = accepted; else why not."""
-        stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+        stamp = seconds(msg.header.stamp)
         if 0 < stamp < self.since:
             self.rejected += 1
             return (f'stamped {stamp:.3f} s, before the reset at {self.since:.3f} s: '
@@ -370,11 +371,10 @@ def main(argv=None):
 
 
 def stamp_msg(t: float):
-    """builtin_interfaces/Time of t s. Rounded as a whole: the step times are sums of 2 ms
-    substeps (2.9999999999996 s), and rounding the fraction alone would read 2 s."""
+    """builtin_interfaces/Time of t s (the step times are sums of 2 ms substeps)."""
     from builtin_interfaces.msg import Time
 
-    sec, ns = divmod(int(round(t * 1e9)), 1_000_000_000)
+    sec, ns = split(t)
     return Time(sec=sec, nanosec=ns)
 
 

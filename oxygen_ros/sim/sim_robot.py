@@ -27,9 +27,11 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory
 
-from oxygen_ros.robot.contract import compressed_topic, is_limit
+from oxygen_ros.robot.contract import compressed_topic
 from oxygen_ros.robot.images import encode, unavailable
 from oxygen_ros.robot.limits import JointLimits, parse_limits
+from oxygen_ros.robot.params import is_limit
+from oxygen_ros.robot.stamps import seconds
 
 PARAMS = {
     'cameras': ([], 'camera names'),
@@ -167,8 +169,7 @@ class SimRobot(Node):
         st['last'] = now
         self.received[g] += 1
         try:
-            times = [p.time_from_start.sec + p.time_from_start.nanosec * 1e-9
-                     for p in msg.points]
+            times = [seconds(p.time_from_start) for p in msg.points]
             pos = np.array([list(p.positions) for p in msg.points], dtype=float)
             if not len(times) or pos.shape != (len(times), len(st['indices'])):
                 return  # a malformed command is ignored, like a controller rejecting it

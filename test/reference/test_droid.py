@@ -11,7 +11,7 @@ import yaml
 from support.paths import ROOT  # noqa: E402
 from support.process import new_domain  # noqa: E402
 
-from oxygen_ros.robot.contract import BY_NAME
+from oxygen_ros.robot.params import BY_NAME
 from oxygen_ros.robot.profiles import Droid, make_profile
 
 CONFIG = ROOT / 'config' / 'droid.yaml'

@@ -52,7 +52,7 @@ from oxygen_ros.model.checkpoint import save_checkpoint  # noqa: E402
 from oxygen_ros.model.config import load_config  # noqa: E402
 from oxygen_ros.model.pi05 import Pi05  # noqa: E402
 from oxygen_ros.model.tokenizer import Tokenizer  # noqa: E402
-from oxygen_ros.robot.contract import BY_NAME  # noqa: E402
+from oxygen_ros.robot.params import BY_NAME  # noqa: E402
 from oxygen_ros.robot.playback import RECENT_S  # noqa: E402
 
 sys.path.insert(0, str(TOOLS))

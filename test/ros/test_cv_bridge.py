@@ -1,7 +1,7 @@
 """Camera encodings beyond the built-in five, through the real cv_bridge.
 
 Every image is published over rclpy and the message that arrives is converted the way the
-node converts it (frames.image_to_rgb); the RGB is checked against hand-computed values or
+node converts it (images.image_to_rgb); the RGB is checked against hand-computed values or
 an independent cv2.cvtColor call. The last test runs the node on a yuv422 camera. Without
 cv_bridge these skip, and the messages that say what cv_bridge would add are checked.
 """
@@ -21,11 +21,11 @@ from sensor_msgs.msg import Image, JointState  # noqa: E402
 from support.process import new_domain  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
-from oxygen_ros.robot import frames  # noqa: E402
+from oxygen_ros.robot import images  # noqa: E402
 
 NO_BRIDGE = ('cv_bridge is not installed (tools/ws.sh builds it when OXYGEN_CV_BRIDGE_SRC '
              'names cv_bridge-src.tar.gz; .ci/run passes ../shared/ros-overlay/)')
-needs_bridge = pytest.mark.skipif(frames.bridge() is None, reason=NO_BRIDGE)
+needs_bridge = pytest.mark.skipif(images.bridge() is None, reason=NO_BRIDGE)
 H, W = 6, 8
 rng = np.random.default_rng(0)
 
@@ -81,8 +81,8 @@ def wire():
 
 def received_rgb(wire, msg):
     received = wire(msg)
-    assert frames.image_problem(received) is None, frames.image_problem(received)
-    rgb = frames.image_to_rgb(received)
+    assert images.image_problem(received) is None, images.image_problem(received)
+    rgb = images.image_to_rgb(received)
     assert rgb.dtype == np.uint8 and rgb.shape == (msg.height, msg.width, 3)
     return rgb
 
@@ -165,14 +165,14 @@ def test_bayer(wire, pattern, bits):
 @pytest.mark.parametrize('encoding', ['rgb8', 'bgr8', 'rgba8', 'bgra8', 'mono8'])
 @pytest.mark.parametrize('pad', [0, 3])
 def test_both_paths_agree(wire, encoding, pad):
-    channels = frames.ENCODINGS[encoding]
+    channels = images.ENCODINGS[encoding]
     px = rng.integers(0, 256, (H, W, channels), dtype=np.uint8)
     received = wire(make(encoding, px if channels > 1 else px[:, :, 0], pad=pad))
-    built_in = frames.to_rgb(received.encoding, received.height, received.width,
+    built_in = images.to_rgb(received.encoding, received.height, received.width,
                              received.step, received.data)
-    bridged = np.asarray(frames.bridge().imgmsg_to_cv2(received, 'rgb8'))
+    bridged = np.asarray(images.bridge().imgmsg_to_cv2(received, 'rgb8'))
     np.testing.assert_array_equal(built_in, bridged)
-    np.testing.assert_array_equal(frames.image_to_rgb(received), built_in)
+    np.testing.assert_array_equal(images.image_to_rgb(received), built_in)
     # And the right colours, not just the same ones.
     want = {'rgb8': px, 'bgr8': px[:, :, ::-1], 'rgba8': px[:, :, :3],
             'bgra8': px[:, :, 2::-1], 'mono8': np.repeat(px, 3, axis=2)}[encoding]
@@ -184,39 +184,39 @@ def test_both_paths_agree(wire, encoding, pad):
 def test_depth_is_not_colour(wire, encoding, pixel):
     m = Image(height=H, width=W, encoding=encoding, step=W * pixel, data=bytes(H * W * pixel))
     received = wire(m)
-    why = frames.image_problem(received)
+    why = images.image_problem(received)
     assert why and why.startswith(f"unsupported image encoding '{encoding}': a depth"), why
     with pytest.raises(ValueError, match='neither the built-in conversion nor cv_bridge'):
-        frames.image_to_rgb(received)
+        images.image_to_rgb(received)
 
 
 @needs_bridge
 def test_headers_cv_bridge_would_misread_are_refused():
     rgb = Image(height=2, width=3, encoding='rgba8', step=13, data=bytes(26))
-    assert 'not a whole number of 4-byte pixels' in frames.image_problem(rgb)
+    assert 'not a whole number of 4-byte pixels' in images.image_problem(rgb)
     short = Image(height=2, width=2, encoding='mono16', step=6, data=bytes(10))
-    assert 'cv_bridge needs all 2 rows' in frames.image_problem(short)
+    assert 'cv_bridge needs all 2 rows' in images.image_problem(short)
     odd = Image(height=2, width=3, encoding='yuv422', step=6, data=bytes(12))
-    assert 'width 3 is odd' in frames.image_problem(odd)
+    assert 'width 3 is odd' in images.image_problem(odd)
     unknown = Image(height=2, width=2, encoding='uyvy', step=4, data=bytes(8))
     assert re.match(r"unsupported image encoding 'uyvy'; supported: rgb8, .*yuv422",
-                    frames.image_problem(unknown))
+                    images.image_problem(unknown))
 
 
 @pytest.mark.parametrize('encoding', ['yuv422', 'bayer_grbg8', 'mono16', 'bgra16'])
 def test_without_cv_bridge_the_message_says_what_would_convert(encoding):
-    pixel = frames.BRIDGE_ENCODINGS[encoding]
+    pixel = images.BRIDGE_ENCODINGS[encoding]
     with pytest.raises(ValueError) as e:
-        frames.check_image(encoding, 2, 2, 2 * pixel, 4 * pixel, bridged=False)
+        images.check_image(encoding, 2, 2, 2 * pixel, 4 * pixel, bridged=False)
     assert str(e.value) == (
         f"unsupported image encoding '{encoding}' without cv_bridge: cv_bridge would convert "
         'it but is not installed; built in: rgb8, bgr8, rgba8, bgra8, mono8')
-    assert frames.check_image(encoding, 2, 2, 2 * pixel, 4 * pixel, bridged=True) == pixel
+    assert images.check_image(encoding, 2, 2, 2 * pixel, 4 * pixel, bridged=True) == pixel
 
 
 def test_depth_message_without_cv_bridge():
     with pytest.raises(ValueError, match="'16UC1': a depth or single-value image, not colour"):
-        frames.check_image('16UC1', 2, 2, 4, 8, bridged=False)
+        images.check_image('16UC1', 2, 2, 4, 8, bridged=False)
 
 
 class YuvRobot:

@@ -25,7 +25,7 @@ from support.process import new_domain, wait_for  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 import oxygen_ros.msg  # noqa: F401, E402 (built by colcon; must import)
-from oxygen_ros.robot.contract import BY_NAME  # noqa: E402
+from oxygen_ros.robot.params import BY_NAME  # noqa: E402
 
 MARGIN = BY_NAME['limit_hold_margin'].default  # a fraction of each joint's range
 # What the fake robot measures: joint i of ARM + [gripper] reads 0.1 * i.

@@ -31,7 +31,7 @@ from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 import oxygen_ros.msg  # noqa: F401, E402 (built by colcon; must import)
 from oxygen_ros.model.config import CONFIG_DIR  # noqa: E402
-from oxygen_ros.robot.contract import BY_NAME  # noqa: E402
+from oxygen_ros.robot.params import BY_NAME  # noqa: E402
 
 HORIZON = BY_NAME['max_command_horizon'].default
 FUTURE = BY_NAME['max_future_stamp'].default

@@ -18,7 +18,8 @@ from oxygen_ros.engine.ask import TIMEOUT, WAITING, Asks, Goal, Result  # noqa: 
 from oxygen_ros.model import Pi05, load_config  # noqa: E402
 from oxygen_ros.model.tokenizer import Tokenizer  # noqa: E402
 from oxygen_ros.robot import images  # noqa: E402
-from oxygen_ros.robot.frames import Reporter, image_problem  # noqa: E402
+from oxygen_ros.robot.images import image_problem  # noqa: E402
+from oxygen_ros.robot.report import Reporter  # noqa: E402
 
 torch.set_num_threads(1)
 TIFF = 'rgb8; tiff compressed '

@@ -3,7 +3,7 @@ plugin publishes them) decoded to the RGB the raw path gives, and bad payloads r
 
 The format strings below are written out by hand from compressed_publisher.cpp
 (ros-perception/image_transport_plugins at 7404d772b66f), not taken from oxygen_ros, so a
-wrong string in images.encode fails here. References: the raw path (frames.image_to_rgb on
+wrong string in images.encode fails here. References: the raw path (images.image_to_rgb on
 the same image as a raw message) and an independent decode (cv2.imdecode and numpy).
 Every decode runs through cv2 and, where installed, through cv_bridge.
 """
@@ -14,13 +14,14 @@ import pytest
 
 cv2 = pytest.importorskip('cv2')
 
-from oxygen_ros.robot import contract, frames, images  # noqa: E402
-from oxygen_ros.robot.contract import Config, StartError  # noqa: E402
+from oxygen_ros.robot import contract, images  # noqa: E402
+from oxygen_ros.robot.contract import Config  # noqa: E402
+from oxygen_ros.robot.params import StartError  # noqa: E402
 from oxygen_ros.sim.scene import render  # noqa: E402
 
 NO_BRIDGE = ('cv_bridge is not installed (tools/ws.sh builds it when OXYGEN_CV_BRIDGE_SRC '
              'names cv_bridge-src.tar.gz; .ci/run passes ../shared/ros-overlay/)')
-needs_bridge = pytest.mark.skipif(frames.bridge() is None, reason=NO_BRIDGE)
+needs_bridge = pytest.mark.skipif(images.bridge() is None, reason=NO_BRIDGE)
 VIAS = ['cv2', pytest.param('cv_bridge', marks=needs_bridge)]
 W, H = 320, 240
 SCENE = render(W, H, seed=3)
@@ -70,7 +71,7 @@ def test_png_gives_exactly_the_raw_path(encoding, via):
     assert data[:8] == b'\x89PNG\r\n\x1a\n'
     out = images.decode(fmt, data, via)
     assert out.dtype == np.uint8 and out.shape == (H, W, 3) and out.flags.c_contiguous
-    np.testing.assert_array_equal(out, frames.image_to_rgb(raw(encoding, px)))
+    np.testing.assert_array_equal(out, images.image_to_rgb(raw(encoding, px)))
 
 
 # Measured on the scene above at 320x240 (libjpeg-turbo in opencv-python-headless 4.11):
@@ -98,7 +99,7 @@ def test_jpeg_gives_the_raw_path_within_jpeg_error(encoding, quality, via):
     plain = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
     by_hand = np.repeat(plain[:, :, None], 3, 2) if encoding == 'mono8' else plain[:, :, ::-1]
     np.testing.assert_array_equal(out, by_hand)
-    ref = frames.image_to_rgb(raw(encoding, px))
+    ref = images.image_to_rgb(raw(encoding, px))
     mean, p999, top = jpeg_error(out, ref)
     bound = JPEG_BOUNDS[('mono' if encoding == 'mono8' else 'colour', quality)]
     assert mean <= bound[0] and p999 <= bound[1] and top <= bound[2], (mean, p999, top)
@@ -124,8 +125,8 @@ def test_16bit_png_scales_as_cv_bridge_does(encoding, via):
     if encoding == 'mono16':
         want = np.repeat(want[:, :, None], 3, 2)
     np.testing.assert_array_equal(out, want)
-    if frames.bridge() is not None:  # the raw path converts 16 bits only through cv_bridge
-        np.testing.assert_array_equal(out, frames.image_to_rgb(raw(encoding, px)))
+    if images.bridge() is not None:  # the raw path converts 16 bits only through cv_bridge
+        np.testing.assert_array_equal(out, images.image_to_rgb(raw(encoding, px)))
 
 
 @pytest.mark.parametrize('via', VIAS)
@@ -165,7 +166,7 @@ def test_tiff_is_the_raw_image_as_it_was(encoding, via):
         want = np.round(px.astype(np.float64) * 255 / 65535).astype(np.uint8)
         np.testing.assert_array_equal(out, np.repeat(want[:, :, None], 3, 2))
     else:
-        np.testing.assert_array_equal(out, frames.image_to_rgb(raw(encoding, px)))
+        np.testing.assert_array_equal(out, images.image_to_rgb(raw(encoding, px)))
 
 
 @needs_bridge
@@ -173,7 +174,7 @@ def test_bayer_png_is_demosaiced_as_the_raw_path_does():
     mosaic = np.random.default_rng(2).integers(0, 256, (H, W), dtype=np.uint8)
     data = cv2.imencode('.png', mosaic)[1].tobytes()
     out = images.decode('bayer_rggb8; png compressed ', data)
-    np.testing.assert_array_equal(out, frames.image_to_rgb(raw('bayer_rggb8', mosaic)))
+    np.testing.assert_array_equal(out, images.image_to_rgb(raw('bayer_rggb8', mosaic)))
 
 
 def test_auto_decodes_through_cv_bridge_where_installed(monkeypatch):
@@ -185,11 +186,11 @@ def test_auto_decodes_through_cv_bridge_where_installed(monkeypatch):
             return cv2.imdecode(np.frombuffer(msg.data, np.uint8), cv2.IMREAD_UNCHANGED)
 
     fmt, data = images.encode(pixels('rgb8'), 'rgb8', 'png', 3)
-    monkeypatch.setattr(frames, '_bridge', Spy())
-    monkeypatch.setattr(frames, '_bridge_checked', True)
+    monkeypatch.setattr(images, '_bridge', Spy())
+    monkeypatch.setattr(images, '_bridge_checked', True)
     np.testing.assert_array_equal(images.decode(fmt, data), SCENE)
     assert calls == ['passthrough']
-    monkeypatch.setattr(frames, '_bridge', None)
+    monkeypatch.setattr(images, '_bridge', None)
     np.testing.assert_array_equal(images.decode(fmt, data), SCENE)  # cv2 then
     assert calls == ['passthrough']
 

@@ -7,14 +7,8 @@ import numpy as np
 import pytest
 from support.paths import ROOT  # noqa: E402
 
-from oxygen_ros.robot.contract import (
-    BY_NAME,
-    PARAMS,
-    Config,
-    StartError,
-    coerce,
-    command_line_params,
-)
+from oxygen_ros.robot.contract import Config
+from oxygen_ros.robot.params import BY_NAME, PARAMS, StartError, coerce, command_line_params
 
 ARM = [f'fr3_joint{i}' for i in range(1, 8)]
 
@@ -58,8 +52,7 @@ def test_problem_key_leaves_out_what_a_sender_controls():
     # Encodings, format strings and payload bytes are quoted or bracketed in the messages:
     # whatever a sender puts there, the key is the same.
     pytest.importorskip('rclpy')
-    from oxygen_ros.robot.frames import image_problem
-    from oxygen_ros.robot.images import check_payload, parse_format
+    from oxygen_ros.robot.images import check_payload, image_problem, parse_format
     from oxygen_ros.ros.node import problem_key
 
     class Msg:
@@ -326,8 +319,8 @@ def test_glitches_follow_the_speed_factor_and_a_rebase_takes_the_next_reading():
     comes, but a reading beyond the range stays a glitch."""
     from types import SimpleNamespace
 
-    from oxygen_ros.robot.frames import Reporter
     from oxygen_ros.robot.inputs import GLITCH_SLACK_S, Inputs
+    from oxygen_ros.robot.report import Reporter
 
     def state(t, x):
         sec = int(t)

@@ -4,15 +4,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from oxygen_ros.robot.frames import (
-    Assembler,
-    JointReadings,
-    Reporter,
-    check_image,
-    image_problem,
-    image_to_rgb,
-    to_rgb,
-)
+from oxygen_ros.robot.frames import Assembler, JointReadings
+from oxygen_ros.robot.images import check_image, image_problem, image_to_rgb, to_rgb
+from oxygen_ros.robot.report import Reporter
 
 # A 2x3 RGB image with distinct values in every channel of every pixel.
 RGB = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3) * 7

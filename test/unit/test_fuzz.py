@@ -12,7 +12,7 @@ pytest.importorskip('cv2')
 import fuzz  # noqa: E402
 
 from oxygen_ros.robot import safe_yaml  # noqa: E402
-from oxygen_ros.robot.contract import (  # noqa: E402
+from oxygen_ros.robot.params import (  # noqa: E402
     BY_NAME,
     StartError,
     coerce,

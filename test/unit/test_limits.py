@@ -11,8 +11,9 @@ import pytest
 import yaml
 from support.paths import ROOT  # noqa: E402
 
-from oxygen_ros.robot.contract import Config, StartError, flatten
+from oxygen_ros.robot.contract import Config
 from oxygen_ros.robot.limits import JointLimits, Limit, describe, parse_limits
+from oxygen_ros.robot.params import StartError, flatten
 from oxygen_ros.robot.playback import Player, make_chunk
 
 

@@ -22,7 +22,8 @@ import pytest
 import yaml
 from support.paths import ROOT  # noqa: E402
 
-from oxygen_ros.robot.contract import Config, flatten
+from oxygen_ros.robot.contract import Config
+from oxygen_ros.robot.params import flatten
 from oxygen_ros.robot.playback import Player, make_chunk
 
 # Relative slack for rounding; time_from_start is not truncated to nanoseconds here.
