@@ -80,8 +80,8 @@ def run_frames(eng: Engine, frames: int, cameras: int = 3):
         f = eng.frame(obs, noise=torch.randn(*shape, generator=g).numpy())
         req = Request(stamp=obs.stamp, max_new_tokens=eng.cfg.max_new_tokens,
                       stop_at_eos=False)
-        out = eng.scheduler.step(f, [req])
-        actions.append(out.actions.double().cpu().numpy())
+        out = eng.scheduler.step_batch(f, [[req]])
+        actions.append(out.actions[0].double().cpu().numpy())
         tokens.append([t for r, t, _, _ in out.tokens if r is req])
     return np.stack(actions), tokens
 

@@ -270,18 +270,15 @@ class Engine:
         # _cancels for the running frame to do before it lets go.
         self._lock = threading.Lock()
         self._owner = threading.Lock()
-        self._inbox: list[Request] = []
         self._cancels: set[int] = set()
         self._ended: list[Request] = []
-        self._noise = torch.Generator().manual_seed(cfg.seed)
         self._streams = {}
-        self._prompt_cache: tuple[str, tuple] | None = None
         size = self.model_cfg.vision.image_size
         self._blank = torch.zeros(3, size, size)
         # CUDA: images go up from a pinned buffer without waiting. The buffer is refilled
         # only by the next frame, after this frame's prefill has read its masks back (the
         # device has then finished the copy).
-        self._pinned = torch.empty(1, len(self.slots), 3, size, size,
+        self._pinned = torch.empty(cfg.robots, len(self.slots), 3, size, size,
                                    pin_memory=True) if self.device.type == 'cuda' else None
         self._recent = collections.deque(maxlen=200)  # (wall time, frame ms, tokens)
         self.frames = 0
@@ -289,15 +286,13 @@ class Engine:
         # runs frames as each ends: diagnostics run on another thread, and the scheduler's
         # lists and row owners change under them while a frame runs.
         self._stats_lock = threading.Lock()
-        self._last: torch.Tensor | None = None  # the last chunk, model space (for RTC)
-        self.guided = 0
+        # The robot of step(): a fleet of one, on the same path as the robots of step_fleet
+        # (named '', it is not one of them; its noise is the engine's seed's own stream).
+        self._one = _Robot('', cfg.seed)
         self._robots: dict[str, _Robot] = {}
         self._snap = self._scheduler_snapshot()
         # Frame start to chunks out, per robots in the frame (step_fleet), for planning.
         self._chunk_ms = AdaptiveK(budget, 1)
-        self._fleet_pinned = torch.empty(cfg.robots, len(self.slots), 3, size, size,
-                                         pin_memory=True) if self.device.type == 'cuda' \
-            else None
 
     # -- what the checkpoint states (the node checks the robot against these) -------------
 
@@ -355,31 +350,10 @@ class Engine:
 
     # -- observation -> tensors ------------------------------------------------------------
 
-    def _tokens(self, text: str):
-        if self._prompt_cache is not None and self._prompt_cache[0] == text:
-            return self._prompt_cache[1]
-        tokens, mask = self.tokenizer.tokenize(text, self.model_cfg.max_token_len)
-        out = (torch.from_numpy(tokens)[None].to(self.device),
-               torch.from_numpy(mask)[None].to(self.device))
-        self._prompt_cache = (text, out)
-        return out
-
     def frame(self, obs: Observation, noise: np.ndarray | None = None) -> Frame:
-        images, present, text = self._inputs(obs)
-        tokens, mask = self._tokens(text)
-        noise = self._noise_for(noise, self._noise, obs.stamp)
-        dtype = self.cache.kv.dtype
-        if self._pinned is not None:
-            torch.stack(images, out=self._pinned[0])
-            images = self._pinned.to(self.device, non_blocking=True).to(dtype)
-        else:
-            images = torch.stack(images)[None].to(self.device, dtype)
-        return Frame(
-            stamp=obs.stamp,
-            images=images,
-            image_mask=torch.tensor([present], device=self.device),
-            tokens=tokens, token_mask=mask,
-            noise=noise.to(self.device, dtype))
+        """The model's inputs for one observation of step()'s robot, as a frame runs them
+        (its noise drawn from that robot's stream unless given)."""
+        return self._batch({'': self._robot_inputs('', RobotInput(obs, noise=noise))})
 
     def _inputs(self, obs: Observation) -> tuple[list[torch.Tensor], list[bool], str]:
         """An observation checked: images by slot (blank where missing), which are present,
@@ -452,71 +426,27 @@ class Engine:
     def step(self, obs: Observation, narrate: bool = False, on_actions=None,
              max_new_tokens: int | None = None, noise: np.ndarray | None = None,
              handover: Handover | None = None) -> FrameResult:
-        """Run one frame. ``on_actions`` gets the chunk as soon as it exists, before language.
+        """Run one frame of one robot: step_fleet for a fleet of one, whose mistakes raise.
 
-        ``narrate`` starts a language request from this frame's prefill; ``max_new_tokens``
-        caps it below the configured maximum (the KV rows are sized for that maximum). The
+        ``on_actions`` gets the chunk as soon as it exists, before language. ``narrate``
+        starts a language request from this frame's prefill; ``max_new_tokens`` caps it
+        below the configured maximum (the KV rows are sized for that maximum). The
         questions asked since the last frame start from the same prefill.
         ``noise`` [action_horizon, model_action_dim] replaces the seeded draw (which is then
         not advanced), to reproduce another implementation's sample. With ``rtc`` on,
         ``handover`` says where this chunk joins the previous one (the last this engine
-        returned), and the chunk is sampled to continue it.
+        returned), and the chunk is sampled to continue it. A wrong input raises ValueError;
+        an exception of the model or of ``on_actions`` is raised as it is.
         """
-        limit = self.cfg.max_new_tokens
-        if max_new_tokens is not None and not 1 <= max_new_tokens <= limit:
-            raise ValueError(f'max_new_tokens must be in [1, {limit}], got {max_new_tokens}')
-        f = self.frame(obs, noise)
-        f.guide = self._guide(handover)
-        narration = None
-        if narrate:
-            narration = Request(stamp=obs.stamp, prompt=obs.prompt,
-                                max_new_tokens=max_new_tokens or limit,
-                                stop_at_eos=self.cfg.stop_at_eos,
-                                temperature=self.cfg.temperature, seed=self.cfg.seed,
-                                eos_id=self.tokenizer.eos_id)
-        chunk = []  # the chunk in output units, converted once (a device copy on CUDA)
-        hook = None
-        if on_actions is not None:
-            def hook(a):
-                chunk.append(self.actions_out(a))
-                on_actions(chunk[0])
-        asks = []
-        self._owner.acquire()
-        try:
-            with self._lock:
-                self._cancel_requested()
-                asks, self._inbox = self._inbox, []
-            for r in asks:
-                r.stamp = obs.stamp
-            out = self.scheduler.step(f, asks + ([narration] if narration else []), hook)
-            events = self._events(out)
-            if self.cfg.rtc:
-                # Cloned out of inference mode: the next frame's guidance differentiates
-                # near it.
-                self._last = out.actions.clone()
-                self.guided += f.guide is not None
-        except BaseException:
-            with self._lock:
-                # The failed frame started none of its questions that are not running: the
-                # next frame tries them again.
-                waiting = {r.id for r, _ in self.scheduler.pending}
-                self._inbox[:0] = [r for r in asks if r.row is None and not r.finished
-                                   and r.id not in waiting]
-                self._owner.release()
-            raise
-        with self._lock:
-            self._cancel_requested()
-            events += [self._final(r) for r in self._ended]
-            self._ended = []
-            self._owner.release()
-        actions = chunk[0] if chunk else self.actions_out(out.actions)
-        result = FrameResult(stamp=obs.stamp, actions=actions, timing=out.timing,
-                             events=events)
-        if narration is not None and narration.reason == 'rejected':
-            result.rejected = (f'narration request of frame {obs.stamp:.3f} rejected: all '
-                               f'{self.cache.max_requests} KV slots are busy')
-        self._frame_done(out.timing['frame_ms'], len(out.tokens))
-        return result
+        inp = RobotInput(obs, narrate=narrate, max_new_tokens=max_new_tokens, noise=noise,
+                         handover=handover)
+        ready = {'': self._robot_inputs('', inp)}
+        result = FleetResult()
+        hook = None if on_actions is None else (lambda _name, chunk: on_actions(chunk))
+        self._fleet_frame(ready, hook, result, alone=True)
+        out = result.results['']
+        out.events = result.events.get('', [])
+        return out
 
     # -- frames of several robots ----------------------------------------------------------
 
@@ -540,6 +470,15 @@ class Engine:
     @property
     def robots(self) -> tuple[str, ...]:
         return tuple(self._robots)
+
+    def _all(self) -> list[_Robot]:
+        """step()'s robot and step_fleet's."""
+        return [self._one, *self._robots.values()]
+
+    @property
+    def guided(self) -> int:
+        """Frames of step()'s robot sampled with real-time chunking's guidance."""
+        return self._one.guided
 
     def robot_stats(self, name: str) -> dict:
         """One robot's part of the engine, for its diagnostics (safe from any thread)."""
@@ -594,7 +533,7 @@ class Engine:
         return result
 
     def _robot_inputs(self, name: str, inp: RobotInput):
-        rb = self._robots.get(name)
+        rb = self._one if name == '' else self._robots.get(name)
         if rb is None:
             raise ValueError(f'unknown robot {name!r}; this engine has {sorted(self._robots)}')
         if not isinstance(inp, RobotInput) or not isinstance(inp.obs, Observation):
@@ -615,25 +554,36 @@ class Engine:
         guide = self._guide_to(inp.handover, rb.last)
         return rb, inp, (torch.stack(images), present, *rb.prompt[1], noise), guide
 
-    def _fleet_frame(self, ready: dict, on_actions, result: FleetResult) -> None:
+    def _batch(self, ready: dict) -> Frame:
+        """The model's inputs of every robot in ``ready``, batched on the device."""
         names = list(ready)
         b = len(names)
         dev, dtype = self.device, self.cache.kv.dtype
         parts = [ready[n][2] for n in names]
-        if self._fleet_pinned is not None:
-            torch.stack([p[0] for p in parts], out=self._fleet_pinned[:b])
-            images = self._fleet_pinned[:b].to(dev, non_blocking=True).to(dtype)
+        if self._pinned is not None:
+            torch.stack([p[0] for p in parts], out=self._pinned[:b])
+            images = self._pinned[:b].to(dev, non_blocking=True).to(dtype)
         else:
             images = torch.stack([p[0] for p in parts]).to(dev, dtype)
         guides = [ready[n][3] for n in names]
-        stamp = max(ready[n][1].obs.stamp for n in names)
-        f = Frame(stamp=stamp, images=images,
-                  image_mask=torch.tensor([p[1] for p in parts], device=dev),
-                  tokens=torch.stack([p[2] for p in parts]).to(dev),
-                  token_mask=torch.stack([p[3] for p in parts]).to(dev),
-                  noise=torch.stack([p[4] for p in parts]).to(dev, dtype),
-                  guide=None if all(g is None for g in guides) else BatchGuide(
-                      guides, self.action_horizon, self.model_action_dim, self.cfg.rtc_beta))
+        return Frame(stamp=max(ready[n][1].obs.stamp for n in names), images=images,
+                     image_mask=torch.tensor([p[1] for p in parts], device=dev),
+                     tokens=torch.stack([p[2] for p in parts]).to(dev),
+                     token_mask=torch.stack([p[3] for p in parts]).to(dev),
+                     noise=torch.stack([p[4] for p in parts]).to(dev, dtype),
+                     guide=None if all(g is None for g in guides) else BatchGuide(
+                         guides, self.action_horizon, self.model_action_dim,
+                         self.cfg.rtc_beta))
+
+    def _fleet_frame(self, ready: dict, on_actions, result: FleetResult,
+                     alone: bool = False) -> None:
+        """One frame of the robots in ``ready``. ``alone`` (step's robot): an exception of
+        the model or of ``on_actions`` is raised as it is instead of becoming the robot's
+        error, and questions the frame did not start go back to its inbox."""
+        names = list(ready)
+        b = len(names)
+        guides = [ready[n][3] for n in names]
+        f = self._batch(ready)
         requests, narrations = [], {}
         limit = self.cfg.max_new_tokens
         self._owner.acquire()
@@ -660,6 +610,9 @@ class Engine:
                     chunks[n] = self.actions_out(actions[i])
                 if on_actions is not None:
                     for n in names:
+                        if alone:
+                            on_actions(n, chunks[n])
+                            continue
                         try:
                             on_actions(n, chunks[n])
                         except Exception as e:  # noqa: BLE001 - one robot's, not the frame's
@@ -670,10 +623,16 @@ class Engine:
             except BatchError as e:
                 self._batch_failed(ready, requests, e, result)
                 if b == 1:
-                    result.errors[names[0]] = f'the model failed: {e.__cause__!r}'
                     ready[names[0]][0].errors += 1
+                    if alone:
+                        raise e.__cause__ from None
+                    result.errors[names[0]] = f'the model failed: {e.__cause__!r}'
                     return
                 ok = False
+            except BaseException:
+                # on_actions of step's robot: the frame's questions not started wait again.
+                self._requeue(ready, requests)
+                raise
             else:
                 ok = True
             if ok:
@@ -702,8 +661,9 @@ class Engine:
                             robot=n)
             nr = narrations.get(n)
             if nr is not None and nr.reason == 'rejected':
-                r.rejected = (f'narration request of robot {n!r} frame {inp.obs.stamp:.3f} '
-                              f'rejected: {nr.note}')
+                whose = f'robot {n!r} frame' if n else 'frame'
+                r.rejected = (f'narration request of {whose} {inp.obs.stamp:.3f} rejected: '
+                              f'{nr.note}')
             if n in failed:
                 result.errors[n] = failed[n]
             else:
@@ -742,15 +702,15 @@ class Engine:
         their robots' inboxes (a retry or the next frame starts them)."""
         for ev in self._events(e.out):
             result.events.setdefault(ev.robot, []).append(ev)
+        self._requeue(ready, requests)
+
+    def _requeue(self, ready, requests) -> None:
         waiting = {r.id for r, _ in self.scheduler.pending}
         with self._lock:
             for n, rs in zip(ready, requests, strict=True):
                 again = [r for r in rs if r.kind == 'question' and r.row is None
                          and not r.finished and r.id not in waiting]
                 ready[n][0].inbox[:0] = again
-
-    def _guide(self, handover: Handover | None) -> Guide | None:
-        return self._guide_to(handover, self._last)
 
     def _guide_to(self, handover: Handover | None, last: torch.Tensor | None) -> Guide | None:
         """The guide joining the chunk to ``last`` (model space) where ``handover`` says."""
@@ -824,7 +784,7 @@ class Engine:
                     seed=self.cfg.seed, eos_id=self.tokenizer.eos_id, kind='question',
                     extension=tokens, robot=robot or '')
         with self._lock:
-            (self._inbox if robot is None else self._robots[robot].inbox).append(r)
+            (self._one if robot is None else self._robots[robot]).inbox.append(r)
         return r.id
 
     def withdraw(self, request_id: int) -> bool:
@@ -832,7 +792,7 @@ class Engine:
         (it is gone, with no event), False when a frame took it already (or it is unknown),
         whose events then come as usual."""
         with self._lock:
-            for inbox in [self._inbox] + [rb.inbox for rb in self._robots.values()]:
+            for inbox in [rb.inbox for rb in self._all()]:
                 for i, r in enumerate(inbox):
                     if r.id == request_id:
                         del inbox[i]
@@ -848,7 +808,7 @@ class Engine:
         is returned.
         """
         with self._lock:
-            for inbox in [self._inbox] + [rb.inbox for rb in self._robots.values()]:
+            for inbox in [rb.inbox for rb in self._all()]:
                 for i, r in enumerate(inbox):
                     if r.id == request_id:
                         del inbox[i]
@@ -905,12 +865,12 @@ class Engine:
     def cancel_all(self) -> list[TokenEvent]:
         with self._owner, self._lock:
             ended = self._ended + self.scheduler.cancel_all()
-            for r in self._inbox + [r for rb in self._robots.values() for r in rb.inbox]:
-                r.end('cancelled')
-                ended.append(r)
-            self._inbox, self._ended = [], []
-            for rb in self._robots.values():
+            for rb in self._all():
+                for r in rb.inbox:
+                    r.end('cancelled')
+                    ended.append(r)
                 rb.inbox = []
+            self._ended = []
             self._cancels.clear()
             for r in ended:
                 r.note = r.note or 'every request cancelled'
@@ -925,7 +885,7 @@ class Engine:
             snap = dict(self._snap)
             frames = self.frames
         with self._lock:
-            waiting = len(self._inbox) + sum(len(rb.inbox) for rb in self._robots.values())
+            waiting = sum(len(rb.inbox) for rb in self._all())
         ms = np.array([m for _, m, _ in recent]) if recent else np.zeros(1)
         tokens = sum(n for _, _, n in recent)
         return dict(
@@ -940,7 +900,7 @@ class Engine:
             kv_bytes=self.cache.total_bytes,
             kv_bytes_per_slot=self.cache.bytes_per_slot,
             deadline_misses=snap['deadline_misses'],
-            rtc_frames=self.guided + sum(rb.guided for rb in self._robots.values()),
+            rtc_frames=sum(rb.guided for rb in self._all()),
             rejected_requests=snap['rejected_requests'],
             dropped_requests=snap['dropped_requests'],
         )

@@ -66,7 +66,7 @@ class ParallelScheduler:
         row = self.act.cache.scratch
         self.act._prefill(f, row)
         actions = self.act.model.denoise(self.act.cache.kv, slice(row, row + 1), f.noise,
-                                         self.denoise_steps, guide=f.guide)[0]
+                                         self.denoise_steps, guide=f.guide)
         return actions, self.clock() - t0
 
     @torch.inference_mode()
@@ -83,7 +83,13 @@ class ParallelScheduler:
         # Requests end inside the frame that starts them: none is left to cancel between frames.
         return self.lang.cancel(request_id)
 
-    def step(self, f: Frame, requests: list[Request] = (), on_actions=None) -> FrameOutput:
+    def step_batch(self, f: Frame, requests: list[list[Request]], on_actions=None
+                   ) -> FrameOutput:
+        """One robot's frame (a batch of one): the chunk [1, horizon, dim] from one copy,
+        the frame's language from the other, at the same time."""
+        if len(requests) != 1 or f.images.shape[0] != 1:
+            raise ValueError('the parallel baseline runs one robot a frame')
+        requests = requests[0]
         threads = torch.get_num_threads()
         if self.act.cache.kv.device.type == 'cpu':
             torch.set_num_threads(max(1, threads // 2))  # process-wide, hence per frame
@@ -100,7 +106,8 @@ class ParallelScheduler:
         frame_ms = self.clock() - t0
         if frame_ms > self.frame_budget_ms:
             self.deadline_misses += 1
-        out.timing = dict(action_ms=act_ms, frame_ms=frame_ms, k=len(out.tokens))
+        out.timing = dict(action_ms=act_ms, chunk_ms=act_ms, frame_ms=frame_ms,
+                          k=len(out.tokens), robots=1)
         return out
 
     def close(self) -> None:

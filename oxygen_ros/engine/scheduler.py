@@ -367,53 +367,6 @@ class Scheduler:
 
     # -- one frame -------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def step(self, f: Frame, requests: list[Request] = (), on_actions=None) -> FrameOutput:
-        clock = self.clock
-        t0 = clock()
-        out = FrameOutput(actions=torch.empty(0))
-        born = []  # (request, row) sharing this frame's prefill
-        if self.mode != 'isolated':
-            for r in requests:
-                row = self._admit(r, out)
-                if row is not None:
-                    born.append((r, row))
-        shared = born[0][1] if born else self.cache.scratch
-        hidden = self._prefill(f, shared)
-        t1 = clock()
-        actions = self._denoise(f, shared)
-        t2 = clock()
-        out.actions = actions
-        if on_actions is not None:
-            on_actions(actions)
-
-        # Language: only after the action chunk is out. Copies first: the shared row's own
-        # request may extend it.
-        for _, row in born[1:]:
-            self.cache.kv.copy_row(shared, row)
-        for r, row in born:
-            self._start(r, row, hidden)
-        if self.mode == 'isolated':
-            for r in requests:
-                row = self._admit(r, out)
-                if row is not None:
-                    self._start(r, row, self._prefill(f, row))  # the baseline's second prefill
-        for r in requests:
-            if r.row is None and not r.finished:
-                self._queue(r, f, out)
-        self._admit_pending()
-        t3 = clock()
-
-        steps, batches = self._language(out, t0)
-        t4 = clock(sync=True)
-        frame_ms = t4 - t0
-        if frame_ms > self.frame_budget_ms:
-            self.deadline_misses += 1
-        out.timing = dict(prefill_ms=t1 - t0, denoise_ms=t2 - t1, decode_ms=t4 - t3,
-                          language_prefill_ms=t3 - t2, frame_ms=frame_ms, k=steps,
-                          batches=batches)
-        return out
-
     def _language(self, out: FrameOutput, t0: float) -> tuple[int, list[int]]:
         """The frame's decode steps, after its chunks are out: (steps, batch sizes)."""
         clock = self.clock
@@ -439,7 +392,7 @@ class Scheduler:
             steps = len(batches)
         return steps, batches
 
-    # -- one frame of several robots -------------------------------------------------------
+    # -- one frame -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step_batch(self, f: Frame, requests: list[list[Request]], on_actions=None
@@ -449,9 +402,11 @@ class Scheduler:
         action_dim] once the batch's denoise ends, before language. The frame's language
         is one decode batch over every active request, whichever robot's.
 
-        Each observation is prefilled into a scratch row of its own, so a batch of one
-        gives what ``step`` gives; a failure in the model raises BatchError, with the rows
-        of requests not yet started given back.
+        Each observation is prefilled into a scratch row of its own (a batch of one into
+        the row of the first request it starts), then copied into the rows of the requests
+        it starts, so each chunk is what its observation alone would give. A failure in the
+        model raises BatchError, with the rows of requests not yet started given back. One
+        robot's frame is a batch of one.
         """
         b = f.images.shape[0]
         if not 1 <= b <= self.cache.scratch_rows:
@@ -471,6 +426,10 @@ class Scheduler:
                         if row is not None:
                             born.append((i, r, row))
             block = slice(self.cache.scratch, self.cache.scratch + b)
+            if b == 1 and born:
+                # One robot: its prefill goes straight into its first request's row, which
+                # saves copying it there (the other requests copy it from that row).
+                block = slice(born[0][2], born[0][2] + 1)
             kv = self.cache.kv
             hidden = self.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv,
                                         block)
@@ -490,8 +449,11 @@ class Scheduler:
         if on_actions is not None:
             on_actions(actions)
 
+        # Copies first: a request starting in its observation's own row may extend it.
+        for i, _r, row in born:
+            if row != block.start + i:
+                kv.copy_row(block.start + i, row)
         for i, r, row in born:
-            kv.copy_row(block.start + i, row)
             self._start(r, row, hidden[i:i + 1])
         if self.mode == 'isolated':
             for i, rs in enumerate(requests):

@@ -211,8 +211,9 @@ def test_parameters_set_live_or_refused_with_a_reason(user):
     t = time.monotonic()
     gaps = frame_gaps()
     # A frame is stamped with its newest input, which came up to a camera period (1/30 s)
-    # before the frame could start.
-    assert len(gaps) >= 3 and min(gaps) >= 0.3 - 1 / 30, gaps
+    # before the frame could start, and the fake cameras stamp at their timer's callback,
+    # a few ms late on a loaded machine (0.2666 s was seen for 0.3 - 1/30 = 0.26667).
+    assert len(gaps) >= 3 and min(gaps) >= 0.3 - 1 / 30 - 0.005, gaps
     assert np.median(gaps) == pytest.approx(0.3, abs=0.01), gaps
     assert len(after(user.traj, t)) >= 50
     assert user.set_param('replan_after', 0).successful

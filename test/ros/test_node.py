@@ -228,7 +228,7 @@ def test_more_narration_requests_than_slots(robot):
     while time.monotonic() < end:
         robot.narrate.publish(Empty())
         time.sleep(0.01)
-    expect_log(robot, mark, r'narration request .* rejected: all 2 KV slots are busy')
+    expect_log(robot, mark, r'narration request .* rejected: all 2 KV rows are busy')
     assert_alive_and_commanding(robot)
 
 

@@ -16,8 +16,6 @@ import pytest
 
 rclpy = pytest.importorskip('rclpy')
 from builtin_interfaces.msg import Duration  # noqa: E402
-from lifecycle_msgs.msg import Transition  # noqa: E402
-from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
 from support.node import ARM, PARAMS, Robot, keeps_commanding, node_process  # noqa: E402
 from support.process import node_env, wait_for, write_params  # noqa: E402
@@ -45,8 +43,7 @@ class Other(Robot):
         self.commanding = False
         self.sent = 0
         node.create_timer(0.05, self._command)
-        self.change = node.create_client(ChangeState, '/oxygen_node/change_state')
-        self.get = node.create_client(GetState, '/oxygen_node/get_state')
+        self.lifecycle(node)
 
     def _command(self):
         if not self.commanding:
@@ -57,14 +54,6 @@ class Other(Robot):
                                          velocities=[0.0] * len(ARM),
                                          time_from_start=Duration(nanosec=100_000_000))]
         self.cmd_pub.publish(m)
-
-    def transition(self, label):
-        req = ChangeState.Request()
-        req.transition = Transition(label=label)
-        return self.call(self.change, req).success
-
-    def state(self):
-        return self.call(self.get, GetState.Request()).current_state.label
 
 
 def ours(msg):

@@ -15,8 +15,7 @@ import pytest
 
 rclpy = pytest.importorskip('rclpy')
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
-from lifecycle_msgs.msg import Transition, TransitionEvent  # noqa: E402
-from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
+from lifecycle_msgs.msg import TransitionEvent  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 from support.node import ARM, PARAMS, Robot, keeps_commanding, node_process  # noqa: E402
 from support.process import new_domain, wait_for  # noqa: E402
@@ -95,22 +94,13 @@ class Watcher(Robot):
         node.create_subscription(DiagnosticArray, '/diagnostics', self._on_level, 10)
         node.create_subscription(TransitionEvent, '/oxygen_node/transition_event',
                                  lambda m: self.events.append(m.goal_state.label), 10)
-        self.change = node.create_client(ChangeState, '/oxygen_node/change_state')
-        self.get = node.create_client(GetState, '/oxygen_node/get_state')
+        self.lifecycle(node)
         self.prompt_pub = node.create_publisher(String, '/oxygen_node/prompt', 10)
 
     def _on_level(self, msg):
         for st in msg.status:
             if st.name.startswith('oxygen_node'):
                 self.levels.append((time.monotonic(), st.level, st.message))
-
-    def transition(self, label):
-        req = ChangeState.Request()
-        req.transition = Transition(label=label)
-        return self.call(self.change, req).success
-
-    def state(self):
-        return self.call(self.get, GetState.Request()).current_state.label
 
 
 @pytest.fixture(scope='module')

@@ -13,16 +13,14 @@ import numpy as np
 import pytest
 
 pytest.importorskip('rclpy')
-from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
 from support.node import (  # noqa: E402
     ARM,
     LIMITS,  # noqa: E402
     PARAMS,
-    Robot,
+    User,  # noqa: E402
     node_process,
 )
 from support.process import new_domain, wait_for  # noqa: E402
-from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 import oxygen_ros.msg  # noqa: F401, E402 (built by colcon; must import)
 from oxygen_ros.robot.params import BY_NAME  # noqa: E402
@@ -38,24 +36,11 @@ def seconds(d):
     return d.sec + d.nanosec * 1e-9
 
 
-class Watcher(Robot):
-    def __init__(self, node):
-        super().__init__(node)
-        self.leave_out = set()
-        self.grip = []
-        self.predicted = []
-        reliable = QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE)
-        node.create_subscription(JointTrajectory, '/gripper_controller/joint_trajectory',
-                                 lambda m: self.grip.append((time.monotonic(), m)), reliable)
-        node.create_subscription(JointTrajectory, '/oxygen_node/predicted_trajectory',
-                                 self.predicted.append, reliable)
-
-
 @pytest.fixture(scope='module')
 def robot(tmp_path_factory):
     domain = new_domain(120, 220)
     with node_process(tmp_path_factory.mktemp('limit_hold'), HOLD, domain, 'hold_robot',
-                      Watcher, '-r', 'front/image:=/remapped/front') as (proc, r):
+                      User, '-r', 'front/image:=/remapped/front') as (proc, r):
         r.proc = proc
         assert wait_for(lambda: len(r.predicted) > 10 or proc.poll() is not None, 60), r.log()
         assert proc.poll() is None, r.log()

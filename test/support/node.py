@@ -295,6 +295,19 @@ class Robot:
             m = self.bad_joints(m)
         self.joint_pub.publish(m)
 
+    def lifecycle(self, node):
+        """Clients of the node's lifecycle services, for transition() and state()."""
+        self.change = node.create_client(ChangeState, '/oxygen_node/change_state')
+        self.get = node.create_client(GetState, '/oxygen_node/get_state')
+
+    def transition(self, label):
+        req = ChangeState.Request()
+        req.transition = Transition(label=label)
+        return self.call(self.change, req).success
+
+    def state(self):
+        return self.call(self.get, GetState.Request()).current_state.label
+
     def rate(self, seconds):
         return rate(self.traj, seconds)
 
@@ -384,8 +397,7 @@ class User(Robot):
                                  lambda m: self.grip.append((time.monotonic(), m)), reliable)
         node.create_subscription(JointTrajectory, '/oxygen_node/predicted_trajectory',
                                  self.predicted.append, reliable)
-        self.change = node.create_client(ChangeState, '/oxygen_node/change_state')
-        self.get = node.create_client(GetState, '/oxygen_node/get_state')
+        self.lifecycle(node)
 
     def _joints(self):
         names = [j for j in JOINTS if j not in self.leave_out]
@@ -396,13 +408,6 @@ class User(Robot):
                       for j in names]
         self.joint_pub.publish(m)
 
-    def transition(self, label):
-        req = ChangeState.Request()
-        req.transition = Transition(label=label)
-        return self.call(self.change, req).success
-
-    def state(self):
-        return self.call(self.get, GetState.Request()).current_state.label
 
 
 def is_hold(msg, joints, sent):

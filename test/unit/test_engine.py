@@ -157,7 +157,7 @@ def test_flood_reject_newest(model, tokenizer):
         r = eng.step(obs, narrate=True)
         if r.rejected:
             rejected.append(obs.stamp)
-            assert 'KV slots' in r.rejected
+            assert 'KV rows are busy' in r.rejected
     assert rejected == [2.0, 3.0, 4.0]
     assert sorted(r.stamp for r in eng.scheduler.active) == [0.0, 1.0]
 

@@ -139,8 +139,8 @@ def run(eng, n, narrate=lambda i: True):
         f = eng.frame(obs)
         request = Request(stamp=obs.stamp, max_new_tokens=eng.cfg.max_new_tokens,
                           stop_at_eos=False) if narrate(i) else None
-        out = eng.scheduler.step(f, [request] if request is not None else [])
-        actions.append(out.actions.clone())
+        out = eng.scheduler.step_batch(f, [[request] if request is not None else []])
+        actions.append(out.actions[0].clone())
         for r, t, _, _ in out.tokens:
             tokens.setdefault(r.stamp, []).append(t)
         batches += out.timing['batches']
