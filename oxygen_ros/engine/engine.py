@@ -32,11 +32,12 @@ from ..model.checkpoint import Checkpoint, checkpoint_tokenizer, open_checkpoint
 from ..model.processing import CONVENTIONS, NormStats, crop, prepare_image
 from ..model.rtc import Guide, Handover
 from ..model.tokenizer import Tokenizer, action_prompt, prompt_tokens, subtask_prompt
+from .baselines import SCHEDULERS
 from .fleet import BatchGuide
 from .kv_cache import KVCache
 from .parallel import ParallelScheduler
 from .requests import Request
-from .scheduler import ADMISSION, MODES, AdaptiveK, BatchError, Frame, Scheduler
+from .scheduler import ADMISSION, MODES, AdaptiveK, BatchError, Frame
 
 PROMPT_FORMATS = ('pi05', 'subtask')
 # How a question follows the frame's prefix (images and task) in its request's row.
@@ -257,8 +258,8 @@ class Engine:
             self.cache = KVCache(self.model_cfg, cfg.max_requests, cfg.max_new_tokens,
                                  device=self.device, dtype=dtype,
                                  extension=cfg.max_question_tokens, scratch_rows=cfg.robots)
-            self.scheduler = Scheduler(
-                model, self.cache, mode=cfg.mode, denoise_steps=self.denoise_steps,
+            self.scheduler = SCHEDULERS[cfg.mode](
+                model, self.cache, denoise_steps=self.denoise_steps,
                 decode_k=cfg.decode_k, frame_budget_ms=budget, admission=cfg.admission,
                 max_pending=cfg.max_pending, vocab_limit=self.tokenizer.vocab_size,
                 graphs=cfg.graphs, phase_timing=cfg.phase_timing, robots=cfg.robots)

@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .baselines import Isolated, SharedKV
 from .kv_cache import KVCache
 from .requests import Request
-from .scheduler import Frame, FrameOutput, Scheduler
+from .scheduler import Frame, FrameOutput
 
 
 class ParallelScheduler:
@@ -29,12 +30,11 @@ class ParallelScheduler:
         second = type(model)(model.cfg)
         second.load_state_dict(model.state_dict())
         second.to_inference(model.device, model.dtype)
-        self.act = Scheduler(model, KVCache(model.cfg, 0, 1, device, dtype),
-                             mode='isolated', denoise_steps=denoise_steps)
-        self.lang = Scheduler(second, KVCache(model.cfg, max(1, max_requests), max_new_tokens,
-                                              device, dtype, extension=extension),
-                              mode='shared_kv', admission='reject_newest',
-                              vocab_limit=vocab_limit)
+        self.act = Isolated(model, KVCache(model.cfg, 0, 1, device, dtype),
+                            denoise_steps=denoise_steps)
+        self.lang = SharedKV(second, KVCache(model.cfg, max(1, max_requests), max_new_tokens,
+                                             device, dtype, extension=extension),
+                             admission='reject_newest', vocab_limit=vocab_limit)
         self.denoise_steps = denoise_steps
         self.clock = self.act.clock
         self._pool = ThreadPoolExecutor(1, thread_name_prefix='oxygen-language')

@@ -136,13 +136,17 @@ class AdaptiveK:
 
 
 class Scheduler:
-    def __init__(self, model, cache: KVCache, mode: str = 'oxygen', denoise_steps: int = 10,
+    """OxyGen's frame: one prefill per observation, its chunk, then its language requests
+    from that same prefill, and k decode steps a frame for every open request of every frame
+    in one batch. The paper's baselines are variants of it (baselines.py)."""
+
+    mode = 'oxygen'
+
+    def __init__(self, model, cache: KVCache, denoise_steps: int = 10,
                  decode_k: int = 5, frame_budget_ms: float = 1000 * 10 / 70,
                  admission: str = 'drop_oldest', max_pending: int = 4,
                  vocab_limit: int | None = None, graphs: bool = False,
                  phase_timing: bool = True, robots: int = 1):
-        if mode not in MODES:
-            raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
         if admission not in ADMISSION:
             raise ValueError(f'admission must be one of {ADMISSION}, got {admission!r}')
         if denoise_steps < 1:
@@ -151,7 +155,6 @@ class Scheduler:
             raise ValueError(f'decode_k must be >= 0 (0 = adaptive), got {decode_k}')
         self.model = model
         self.cache = cache
-        self.mode = mode
         self.denoise_steps = denoise_steps
         self.decode_k = decode_k
         self.admission = admission
@@ -367,29 +370,40 @@ class Scheduler:
 
     # -- one frame -------------------------------------------------------------------------
 
+    def _shared(self, requests: list[list[Request]], out: FrameOutput) -> list[tuple]:
+        """The requests that start from their observation's own prefill, with their rows:
+        (observation, request, row) for each that gets a row."""
+        born = []
+        for i, rs in enumerate(requests):
+            for r in rs:
+                row = self._admit(r, out)
+                if row is not None:
+                    born.append((i, r, row))
+        return born
+
+    def _own_prefills(self, f: Frame, requests: list[list[Request]], out: FrameOutput) -> None:
+        """Requests that prefill again for themselves once the chunks are out: none here."""
+
     def _language(self, out: FrameOutput, t0: float) -> tuple[int, list[int]]:
-        """The frame's decode steps, after its chunks are out: (steps, batch sizes)."""
+        """The frame's decode steps, after its chunks are out: (steps, batch sizes). k
+        steps (fixed, or as many as the frame budget allows) over every open request."""
         clock = self.clock
         steps = 0
         batches = []
-        if self.mode == 'oxygen':
-            k = self.decode_k if self.adaptive is None else self.wanted_k()
-            while self.active and steps < k:
-                # Adaptive k needs the time the device has really spent so far.
-                now = clock(sync=self.adaptive is not None)
-                batch = len(self.active)
-                if self.adaptive is not None and not self.adaptive.fits(now - t0, steps, batch):
-                    break
-                b = self._decode_step(out)
-                if self.adaptive is not None:
-                    self.adaptive.observe(b, clock() - now)
-                batches.append(b)
-                steps += 1
-            for r in self.active:
-                r.frames += 1
-        else:
-            batches = self.decode_to_end(out)
-            steps = len(batches)
+        k = self.decode_k if self.adaptive is None else self.wanted_k()
+        while self.active and steps < k:
+            # Adaptive k needs the time the device has really spent so far.
+            now = clock(sync=self.adaptive is not None)
+            batch = len(self.active)
+            if self.adaptive is not None and not self.adaptive.fits(now - t0, steps, batch):
+                break
+            b = self._decode_step(out)
+            if self.adaptive is not None:
+                self.adaptive.observe(b, clock() - now)
+            batches.append(b)
+            steps += 1
+        for r in self.active:
+            r.frames += 1
         return steps, batches
 
     # -- one frame -------------------------------------------------------------------------
@@ -419,12 +433,7 @@ class Scheduler:
         out = FrameOutput(actions=torch.empty(0))
         born = []  # (observation, request, row)
         try:
-            if self.mode != 'isolated':
-                for i, rs in enumerate(requests):
-                    for r in rs:
-                        row = self._admit(r, out)
-                        if row is not None:
-                            born.append((i, r, row))
+            born = self._shared(requests, out)
             block = slice(self.cache.scratch, self.cache.scratch + b)
             if b == 1 and born:
                 # One robot: its prefill goes straight into its first request's row, which
@@ -455,12 +464,7 @@ class Scheduler:
                 kv.copy_row(block.start + i, row)
         for i, r, row in born:
             self._start(r, row, hidden[i:i + 1])
-        if self.mode == 'isolated':
-            for i, rs in enumerate(requests):
-                for r in rs:
-                    row = self._admit(r, out)
-                    if row is not None:
-                        self._start(r, row, self._prefill(f.part(i), row))
+        self._own_prefills(f, requests, out)
         for i, rs in enumerate(requests):
             for r in rs:
                 if r.row is None and not r.finished:

@@ -460,3 +460,11 @@ def test_bfloat16_engine_tracks_float32(tokenizer):
     diff = np.abs(actions[torch.float32] - actions[torch.bfloat16]).max()
     assert diff < 0.05 * np.abs(actions[torch.float32]).max()
     assert diff > 0  # really ran in reduced precision
+
+
+def test_every_mode_has_its_scheduler():
+    from oxygen_ros.engine.baselines import SCHEDULERS
+    from oxygen_ros.engine.scheduler import MODES
+
+    assert tuple(SCHEDULERS) == MODES
+    assert all(SCHEDULERS[m].mode == m for m in MODES)
