@@ -54,6 +54,7 @@ from oxygen_ros.model.pi05 import Pi05  # noqa: E402
 from oxygen_ros.model.tokenizer import Tokenizer  # noqa: E402
 from oxygen_ros.robot.params import BY_NAME  # noqa: E402
 from oxygen_ros.robot.playback import RECENT_S  # noqa: E402
+from oxygen_ros.robot.stamps import seconds  # noqa: E402
 
 sys.path.insert(0, str(TOOLS))
 from node_load import jtc_problems  # noqa: E402
@@ -294,10 +295,6 @@ def robot(policy, tmp_path_factory):
                       or r.proc.poll() is not None, 180)
         assert ok and r.proc.poll() is None, r.log()[-4000:]
         yield r
-
-
-def seconds(d):
-    return d.sec + d.nanosec * 1e-9
 
 
 def measured(group):

@@ -33,6 +33,7 @@ from support.node import (  # noqa: E402  # noqa: E402
 from support.process import node_env, wait_for, write_params  # noqa: E402
 
 import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
+from oxygen_ros.robot.stamps import seconds as seconds_of  # noqa: E402
 
 
 @pytest.fixture(scope='module')
@@ -45,10 +46,6 @@ def user(domain, tmp_path_factory):
                         60), u.log()
         assert proc.poll() is None, u.log()
         yield u
-
-
-def seconds_of(d):
-    return d.sec + d.nanosec * 1e-9
 
 
 def commanding(user, seconds=1.0):

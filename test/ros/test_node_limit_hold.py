@@ -24,16 +24,13 @@ from support.process import new_domain, wait_for  # noqa: E402
 
 import oxygen_ros.msg  # noqa: F401, E402 (built by colcon; must import)
 from oxygen_ros.robot.params import BY_NAME  # noqa: E402
+from oxygen_ros.robot.stamps import seconds  # noqa: E402
 
 MARGIN = BY_NAME['limit_hold_margin'].default  # a fraction of each joint's range
 # What the fake robot measures: joint i of ARM + [gripper] reads 0.1 * i.
 MEASURED = [0.1 * i for i in range(len(ARM) + 1)]
 HOLD = dict(PARAMS, robot='identity', profile_options='', publish_predicted=True,
             joint_limits={'arm': LIMITS})
-
-
-def seconds(d):
-    return d.sec + d.nanosec * 1e-9
 
 
 @pytest.fixture(scope='module')

@@ -16,6 +16,7 @@ from support.process import new_domain, wait_for  # noqa: E402
 
 import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
 from oxygen_ros.robot.playback import RECENT_S  # noqa: E402
+from oxygen_ros.robot.stamps import seconds  # noqa: E402
 
 sys.path.insert(0, str(TOOLS))
 from node_load import jtc_problems  # noqa: E402
@@ -25,10 +26,6 @@ from support.node import LIMITS, SPEED  # noqa: E402
 # RECENT_S old) moved on along the setpoint since. This arm never moves, so the first point
 # may lie that much more motion away from the reading.
 AHEAD = RECENT_S + 0.02
-
-
-def seconds(d):
-    return d.sec + d.nanosec * 1e-9
 
 
 @pytest.fixture(scope='module')

@@ -21,6 +21,7 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint  # noqa: E
 
 import oxygen_ros.msg  # noqa: F401, E402 (built by colcon; must import)
 from oxygen_ros.robot.shadow import WINDOW_S  # noqa: E402
+from oxygen_ros.robot.stamps import seconds  # noqa: E402
 
 OPERATOR = 'operator'  # the frame_id of the operator's trajectories, which the node never sets
 
@@ -28,10 +29,6 @@ OPERATOR = 'operator'  # the frame_id of the operator's trajectories, which the 
 def path(t):
     """Where the operator has joint i of JOINTS at time t (s)."""
     return [0.1 * i + 0.3 * math.sin(0.8 * t + i) for i in range(len(JOINTS))]
-
-
-def seconds(stamp):
-    return stamp.sec + stamp.nanosec * 1e-9
 
 
 class Operated(Robot):
