@@ -8,6 +8,10 @@ fresh robot that would come due before that frame ends (left for the next frame,
 miss). A robot whose inputs are stale or missing is left out, and holds; it never delays the
 others. Times are seconds on whatever clock the caller reads (a fake one in tests).
 
+``EveryFrame`` is the rule for one robot: a frame starts as soon as its newest observation is
+complete, so the chunk is always planned from the latest images (nothing to batch it with).
+Both answer ``plan(now, robots)``, so the node runs one path for one robot and for many.
+
 ``BatchGuide`` is model/rtc.py's guide for a batch of chunks, one previous chunk (or none)
 per row: each row's guidance and frozen steps are its own Guide's exactly, since a row's
 actions depend on its own noise only, so one vector-Jacobian product serves every row.
@@ -118,6 +122,31 @@ class Planner:
             elif robots[n].stamp is None:
                 wait = min(wait, max(self.look, due_in))
         return Plan([], wait, out, 0.0)
+
+
+class EveryFrame:
+    """A frame for every robot with a fresh observation, as soon as it has one (up to
+    ``max_robots``, the most urgent first); otherwise look again after ``look`` s (the caller
+    sees new images only when it looks). A robot whose inputs are stale is never taken."""
+
+    def __init__(self, max_input_age: float, max_robots: int = 1, look: float = 0.002):
+        if max_input_age <= 0 or max_robots < 1 or look <= 0:
+            raise ValueError('max_input_age and look must be > 0, max_robots >= 1')
+        self.max_input_age = max_input_age
+        self.max_robots = max_robots
+        self.look = look
+
+    def plan(self, now: float, robots: dict[str, RobotTimes]) -> Plan:
+        def left(name):
+            r = robots[name].runs_out
+            return float('-inf') if r is None else r - now
+
+        fresh = [n for n in sorted(robots, key=left)
+                 if robots[n].stamp is not None
+                 and abs(now - robots[n].stamp) <= self.max_input_age]
+        take = fresh[:self.max_robots]
+        out = {n: f'the frame is full ({self.max_robots} robots)' for n in fresh[len(take):]}
+        return Plan(take, 0.0 if take else self.look, out)
 
 
 class BatchGuide:

@@ -6,9 +6,8 @@ import pytest
 import torch
 from support.models import tiny_model  # noqa: E402
 
-from oxygen_ros.engine import Engine, EngineConfig, Observation
-from oxygen_ros.engine.engine import RobotInput
-from oxygen_ros.engine.fleet import Planner, RobotTimes
+from oxygen_ros.engine import Engine, EngineConfig, Observation, RobotInput
+from oxygen_ros.engine.fleet import EveryFrame, Planner, RobotTimes
 from oxygen_ros.engine.graphs import power_buckets
 from oxygen_ros.model.rtc import Handover
 from oxygen_ros.model.tokenizer import Tokenizer
@@ -51,14 +50,14 @@ def record_tokens(eng):
     """Greedy token ids per (robot, frame stamp), in emission order, as the scheduler
     emits them."""
     seen = {}
-    events = eng._events
+    events = eng.questions.events
 
     def spy(out):
         for r, t, _, _ in out.tokens:
             seen.setdefault((r.robot, r.stamp), []).append(t)
         return events(out)
 
-    eng._events = spy
+    eng.questions.events = spy
     return seen
 
 
@@ -259,7 +258,7 @@ def test_model_failure_on_one_robot_stays_with_it(model):
         e.add_robot(r)
     obs = {r: observations(cfg, r, 1, k)[0] for k, r in enumerate(ROBOTS)}
     # The model fails on any batch holding c's observation (its prompt's tokens).
-    poison = torch.from_numpy(e.tokenizer.tokenize(e._inputs(obs['c'])[2],
+    poison = torch.from_numpy(e.tokenizer.tokenize(e.inputs.observation(obs['c'])[2],
                                                    cfg.max_token_len)[0])
     prefill = model.prefill
 
@@ -372,3 +371,68 @@ def test_planned_fleet_on_a_fake_clock():
     assert 3 <= served['c'] <= 1.0 / chunk['c'] + 2
     assert served['a'] >= 3.9 / chunk['a'] - 1 and served['b'] >= 3.9 / chunk['b'] - 1
     assert max(sizes) >= 2  # robots were batched
+
+
+def test_every_frame_takes_a_fresh_robot_at_once_whatever_its_chunk():
+    # One robot: a frame starts as soon as its images are complete, though its chunk runs
+    # on for seconds (the Planner would wait until it is due).
+    now = 3.0
+    robots = {'one': times(now + 5.0, now - 0.01)}
+    assert Planner(lambda n: 0.04, max_input_age=0.1).plan(now, robots).take == []
+    plan = EveryFrame(max_input_age=0.1).plan(now, robots)
+    assert plan.take == ['one'] and plan.wait == 0.0
+    # Nothing new, or only stale inputs: no frame, and it looks again after `look`.
+    for t in (times(now + 5.0, None), times(now + 5.0, now - 0.3), times(None, now + 0.3)):
+        plan = EveryFrame(max_input_age=0.1, look=0.003).plan(now, {'one': t})
+        assert plan.take == [] and plan.wait == 0.003
+    # Several fresh: the most urgent first, up to max_robots; the rest are said left out.
+    plan = EveryFrame(max_input_age=0.1, max_robots=2).plan(
+        now, {'a': times(now + 0.5, now), 'b': times(None, now), 'c': times(now + 0.2, now)})
+    assert plan.take == ['b', 'c'] and 'full' in plan.left_out['a']
+    with pytest.raises(ValueError):
+        EveryFrame(max_input_age=0.0)
+
+
+def test_a_frame_is_two_calls_with_the_chunks_out_between(model):
+    # actions() gives the chunks before any language runs; language() then decodes. The
+    # same frame in one call (step_fleet) gives the same chunks and text.
+    one, two = engine(model, robots=2), engine(model, robots=2)
+    for e in (one, two):
+        e.add_robot('a')
+        e.add_robot('b')
+    obs = {r: observations(model.cfg, r, 3, seed=i) for i, r in enumerate('ab')}
+    for i in range(3):
+        inputs = {r: RobotInput(obs[r][i], narrate=True) for r in 'ab'}
+        frame = one.actions(inputs)
+        assert sorted(frame.chunks) == ['a', 'b'] and not frame.result.results
+        assert one.scheduler.active == [] or i > 0  # nothing decoded before language
+        split = one.language(frame)
+        whole = two.step_fleet(inputs)
+        for r in 'ab':
+            np.testing.assert_array_equal(frame.chunks[r], whole.results[r].actions)
+            assert split.results[r].actions is frame.chunks[r]
+        assert [(ev.robot, ev.text) for evs in split.events.values() for ev in evs] == \
+            [(ev.robot, ev.text) for evs in whole.events.values() for ev in evs]
+
+
+def test_a_cancel_between_the_calls_waits_for_language_and_abandon_requeues(model):
+    e = engine(model, max_question_tokens=32)
+    e.add_robot('a')
+    obs = observations(model.cfg, 'a', 4, seed=3)
+    first = e.ask('what is here?', robot='a')
+    frame = e.actions({'a': RobotInput(obs[0])})
+    # The frame owns the scheduler: the cancel is left for it, and comes with its events.
+    assert e.cancel(first) == []
+    done = e.language(frame)
+    assert [(ev.request_id, ev.reason) for ev in done.events['a'] if ev.done] == \
+        [(first, 'cancelled')]
+    # A frame abandoned after its chunks (its caller failed): its rows are free again and
+    # its question waits for the next frame, which starts it.
+    second = e.ask('and now?', robot='a')
+    frame = e.actions({'a': RobotInput(obs[1])})
+    rows = e.cache.free_rows
+    e.abandon(frame)
+    assert e.cache.free_rows == rows + 1 and e.robot_stats('a')['questions_waiting'] == 1
+    out = e.step_fleet({'a': RobotInput(obs[2])})
+    assert {ev.request_id for ev in out.events['a']} == {second}
+    assert e.robot_stats('a')['questions_waiting'] == 0
