@@ -34,8 +34,7 @@ import torch
 from oxygen_ros.bench import fleet as fleet_bench
 from oxygen_ros.bench.energy import Meter
 from oxygen_ros.bench.workload import observations
-from oxygen_ros.engine import Engine, EngineConfig
-from oxygen_ros.engine.engine import random_model
+from oxygen_ros.engine import Engine, EngineConfig, random_model
 from oxygen_ros.engine.requests import Request
 from oxygen_ros.model import Pi05, load_config
 from oxygen_ros.model.tokenizer import Tokenizer

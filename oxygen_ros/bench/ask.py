@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.engine import QUESTION_FORMAT, Engine, EngineConfig
+from ..engine import QUESTION_FORMAT, Engine, EngineConfig
 from ..model.tokenizer import subtask_prompt
 from .workload import PROMPT, _median_ms, bench_model, observations
 

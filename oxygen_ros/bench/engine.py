@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..engine.engine import Engine, EngineConfig
+from ..engine import Engine, EngineConfig
 from ..engine.requests import Request, sample
 from . import fleet as fleet_bench
 from .energy import Meter
@@ -188,7 +188,7 @@ def memory_mb(engine: Engine) -> float:
         return torch.cuda.max_memory_allocated(engine.device) / 2**20
     s = engine.scheduler
     models = [s.act.model, s.lang.model] if s.mode == 'parallel' else [engine.model]
-    caches = [s.act.cache, s.lang.cache] if s.mode == 'parallel' else [engine.cache]
+    caches = [s.actor.cache, s.lang.cache] if s.mode == 'parallel' else [engine.cache]
     n = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
     n += sum(c.total_bytes for c in caches)
     return n / 2**20

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.engine import Engine, EngineConfig, RobotInput
+from ..engine import Engine, EngineConfig, RobotInput
 
 FLEET_MODES = ('fleet', 'sliced', 'separate')
 
@@ -67,10 +67,10 @@ class FleetPhases:
         g = torch.Generator().manual_seed(0)
         self.parts = []
         for o in obs:
-            images, present, text = engine._inputs(o)
+            images, present, text = engine.inputs.observation(o)
             tokens, mask = engine.tokenizer.tokenize(text, engine.model_cfg.max_token_len)
             self.parts.append((torch.stack(images), present, torch.from_numpy(tokens),
-                               torch.from_numpy(mask), engine._noise_for(None, g, o.stamp)[0]))
+                               torch.from_numpy(mask), engine.inputs.noise(None, g, o.stamp)[0]))
         self.times = {'batched': [], 'single': []}
 
     def _run(self, parts) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.engine import Engine, EngineConfig, Observation
+from ..engine import Engine, EngineConfig, Observation
 from ..model.rtc import Handover
 from .workload import bench_model
 

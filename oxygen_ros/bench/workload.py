@@ -7,7 +7,7 @@ import time
 import numpy as np
 import torch
 
-from ..engine.engine import Observation, random_model
+from ..engine import Observation, random_model
 from ..model import load_config
 from ..model.tokenizer import Tokenizer
 

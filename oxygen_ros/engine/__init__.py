@@ -1,20 +1,17 @@
 """The OxyGen engine: unified KV cache, shared prefill, cross-frame continuous batching."""
 
 from ..model.rtc import Handover
-from .engine import (
-    Engine,
-    EngineConfig,
-    FleetResult,
-    FrameResult,
-    Observation,
-    RobotInput,
-    TokenEvent,
-)
-from .fleet import Planner, RobotTimes
+from .config import PROMPT_FORMATS, QUESTION_FORMAT, EngineConfig
+from .engine import Engine
+from .fleet import EveryFrame, Planner, RobotTimes
+from .io import FleetResult, FrameResult, Observation, RobotInput, TokenEvent
 from .kv_cache import KVCache
+from .loading import random_model
 from .requests import Request
+from .runner import OpenFrame
 from .scheduler import AdaptiveK, Frame, FrameOutput, Scheduler
 
-__all__ = ['AdaptiveK', 'Engine', 'EngineConfig', 'FleetResult', 'Frame', 'FrameOutput',
-           'FrameResult', 'Handover', 'KVCache', 'Observation', 'Planner', 'Request',
-           'RobotInput', 'RobotTimes', 'Scheduler', 'TokenEvent']
+__all__ = ['PROMPT_FORMATS', 'QUESTION_FORMAT', 'AdaptiveK', 'Engine', 'EngineConfig',
+           'EveryFrame', 'FleetResult', 'Frame', 'FrameOutput', 'FrameResult', 'Handover',
+           'KVCache', 'Observation', 'OpenFrame', 'Planner', 'Request', 'RobotInput',
+           'RobotTimes', 'Scheduler', 'TokenEvent', 'random_model']

@@ -17,7 +17,7 @@ import torch
 from .baselines import Isolated, SharedKV
 from .kv_cache import KVCache
 from .requests import Request
-from .scheduler import Frame, FrameOutput
+from .scheduler import Frame, FrameOutput, FramePlan
 
 
 class ParallelScheduler:
@@ -30,13 +30,13 @@ class ParallelScheduler:
         second = type(model)(model.cfg)
         second.load_state_dict(model.state_dict())
         second.to_inference(model.device, model.dtype)
-        self.act = Isolated(model, KVCache(model.cfg, 0, 1, device, dtype),
+        self.actor = Isolated(model, KVCache(model.cfg, 0, 1, device, dtype),
                             denoise_steps=denoise_steps)
         self.lang = SharedKV(second, KVCache(model.cfg, max(1, max_requests), max_new_tokens,
                                              device, dtype, extension=extension),
                              admission='reject_newest', vocab_limit=vocab_limit)
         self.denoise_steps = denoise_steps
-        self.clock = self.act.clock
+        self.clock = self.actor.clock
         self._pool = ThreadPoolExecutor(1, thread_name_prefix='oxygen-language')
         self.frame_budget_ms = frame_budget_ms
         self.deadline_misses = 0
@@ -63,9 +63,9 @@ class ParallelScheduler:
     @torch.inference_mode()
     def _actions(self, f: Frame):
         t0 = self.clock()
-        row = self.act.cache.scratch
-        self.act._prefill(f, row)
-        actions = self.act.model.denoise(self.act.cache.kv, slice(row, row + 1), f.noise,
+        row = self.actor.cache.scratch
+        self.actor._prefill(f, row)
+        actions = self.actor.model.denoise(self.actor.cache.kv, slice(row, row + 1), f.noise,
                                          self.denoise_steps, guide=f.guide)
         return actions, self.clock() - t0
 
@@ -83,32 +83,60 @@ class ParallelScheduler:
         # Requests end inside the frame that starts them: none is left to cancel between frames.
         return self.lang.cancel(request_id)
 
-    def step_batch(self, f: Frame, requests: list[list[Request]], on_actions=None
-                   ) -> FrameOutput:
-        """One robot's frame (a batch of one): the chunk [1, horizon, dim] from one copy,
-        the frame's language from the other, at the same time."""
+    def plan(self, f: Frame, requests: list[list[Request]]) -> FramePlan:
         if len(requests) != 1 or f.images.shape[0] != 1:
             raise ValueError('the parallel baseline runs one robot a frame')
-        requests = requests[0]
-        threads = torch.get_num_threads()
-        if self.act.cache.kv.device.type == 'cpu':
-            torch.set_num_threads(max(1, threads // 2))  # process-wide, hence per frame
+        return FramePlan(f, requests, [], slice(0, 1), FrameOutput(actions=torch.empty(0)),
+                         self.clock())
+
+    def act(self, plan: FramePlan) -> torch.Tensor:
+        """The chunk [1, horizon, dim] from one copy while the other starts the frame's
+        language, at the same time; speak waits for it."""
+        plan.times = [torch.get_num_threads()]  # to restore; then the chunk's ms
+        if self.actor.cache.kv.device.type == 'cpu':
+            torch.set_num_threads(max(1, plan.times[0] // 2))  # process-wide, hence per frame
+        plan.language = self._pool.submit(self._language, plan.frame, list(plan.requests[0]))
         try:
-            t0 = self.clock()
-            lang = self._pool.submit(self._language, f, list(requests))
-            actions, act_ms = self._actions(f)
-            if on_actions is not None:
-                on_actions(actions)
-            out = lang.result()
+            actions, ms = self._actions(plan.frame)
+        except BaseException:
+            self.abandon(plan)
+            raise
+        plan.out.actions = actions
+        plan.times.append(ms)
+        return actions
+
+    def abandon(self, plan: FramePlan) -> None:
+        if plan.language is not None:
+            plan.language.result()
+            plan.language = None
+            torch.set_num_threads(plan.times[0])
+
+    def speak(self, plan: FramePlan) -> FrameOutput:
+        try:
+            out = plan.language.result()
         finally:
-            torch.set_num_threads(threads)
-        out.actions = actions
-        frame_ms = self.clock() - t0
+            plan.language = None
+            torch.set_num_threads(plan.times[0])
+        out.actions = plan.out.actions
+        frame_ms = self.clock() - plan.t0
         if frame_ms > self.frame_budget_ms:
             self.deadline_misses += 1
+        act_ms = plan.times[1]
         out.timing = dict(action_ms=act_ms, chunk_ms=act_ms, frame_ms=frame_ms,
                           k=len(out.tokens), robots=1)
         return out
+
+    def step_batch(self, f: Frame, requests: list[list[Request]], on_actions=None
+                   ) -> FrameOutput:
+        plan = self.plan(f, requests)
+        actions = self.act(plan)
+        if on_actions is not None:
+            try:
+                on_actions(actions)
+            except BaseException:
+                self.abandon(plan)
+                raise
+        return self.speak(plan)
 
     def close(self) -> None:
         self._pool.shutdown()

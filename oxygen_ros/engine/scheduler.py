@@ -1,7 +1,10 @@
 """What runs each frame: one prefill, the action chunk by its deadline, then language.
 
-Modes share one interface, ``step(frame, requests, on_actions) -> FrameOutput``, and the same
-model kernels, so they differ only in scheduling. Every request a frame starts (narration,
+A frame is decided first and then run: ``plan(frame, requests)`` chooses which requests get KV
+rows and where the observations go (no model call); ``act(plan)`` prefills and denoises, giving
+the chunks; the caller sends them out; ``speak(plan)`` starts the frame's requests and decodes.
+The modes share that interface and the same model kernels, so they differ only in
+scheduling. Every request a frame starts (narration,
 questions) grows from that frame's one prefill: the first admitted one owns the prefilled
 row, the others get a copy of it, and a request with tokens of its own (a question) has them
 appended to its row in one extension pass, after the action chunk is out.
@@ -16,7 +19,7 @@ appended to its row in one extension pass, after the action chunk is out.
   frame budget. The deadline comes first; language gets the slack it needs, and no more,
   so frames stay short and the action rate high.
 
-``step_batch`` runs one frame for several robots: one prefill of all their observations
+A frame serves one robot or several: one prefill of all their observations
 (one scratch row each), one denoise, every chunk out at once, then the same language phase
 over every robot's requests. KV rows come from the one pool, each robot holding at most its
 cap (``caps``), and the admission policy applies per robot: a robot at its cap drops,
@@ -69,6 +72,22 @@ class FrameOutput:
     rejected: list[Request] = field(default_factory=list)  # refused a row (also in finished)
     queued: list[Request] = field(default_factory=list)  # waiting for a row (admission wait)
     timing: dict = field(default_factory=dict)
+
+
+@dataclass
+class FramePlan:
+    """A frame as decided (Scheduler.plan), carried through its model calls (act, then
+    speak). Between act and speak the chunks go out; nothing else runs the scheduler."""
+
+    frame: Frame
+    requests: list[list[Request]]  # the requests each observation starts
+    born: list[tuple[int, Request, int]]  # (observation, request, KV row) admitted now
+    block: slice  # the KV rows the observations are prefilled into
+    out: FrameOutput
+    t0: float  # ms, the scheduler's clock
+    hidden: torch.Tensor | None = None  # after act: the state after each prompt
+    times: list[float] = field(default_factory=list)  # after act: prefill and denoise ends
+    language: object = None  # a variant's language under way since act (parallel.py)
 
 
 class BatchError(RuntimeError):
@@ -408,40 +427,40 @@ class Scheduler:
 
     # -- one frame -------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def step_batch(self, f: Frame, requests: list[list[Request]], on_actions=None
-                   ) -> FrameOutput:
-        """One frame of ``b`` observations (``f`` batched [b, ...]): ``requests[i]`` are the
-        requests observation ``i`` starts. ``on_actions`` gets every chunk [b, horizon,
-        action_dim] once the batch's denoise ends, before language. The frame's language
-        is one decode batch over every active request, whichever robot's.
+    def plan(self, f: Frame, requests: list[list[Request]]) -> FramePlan:
+        """Decide a frame of ``b`` observations (``f`` batched [b, ...]; ``requests[i]`` are
+        the requests observation ``i`` starts): which requests get KV rows now (admission)
+        and the rows the observations are prefilled into. Nothing runs the model here.
 
         Each observation is prefilled into a scratch row of its own (a batch of one into
-        the row of the first request it starts), then copied into the rows of the requests
-        it starts, so each chunk is what its observation alone would give. A failure in the
-        model raises BatchError, with the rows of requests not yet started given back. One
-        robot's frame is a batch of one.
-        """
+        the row of the first request it starts), later copied into the rows of the requests
+        it starts, so each chunk is what its observation alone would give."""
         b = f.images.shape[0]
         if not 1 <= b <= self.cache.scratch_rows:
             raise ValueError(f'a batch of {b} observations; the cache has '
                              f'{self.cache.scratch_rows} scratch rows')
         if len(requests) != b:
             raise ValueError(f'{len(requests)} request lists for {b} observations')
-        clock = self.clock
-        t0 = clock()
+        t0 = self.clock()
         out = FrameOutput(actions=torch.empty(0))
-        born = []  # (observation, request, row)
+        born = self._shared(requests, out)
+        block = slice(self.cache.scratch, self.cache.scratch + b)
+        if b == 1 and born:
+            # One robot: its prefill goes straight into its first request's row, which
+            # saves copying it there (the other requests copy it from that row).
+            block = slice(born[0][2], born[0][2] + 1)
+        return FramePlan(f, requests, born, block, out, t0)
+
+    @torch.inference_mode()
+    def act(self, plan: FramePlan) -> torch.Tensor:
+        """The planned frame's prefill and denoise: every chunk [b, horizon, action_dim]. A
+        failure in the model raises BatchError, with the rows planned for its requests
+        given back."""
+        f, block, clock = plan.frame, plan.block, self.clock
+        kv = self.cache.kv
         try:
-            born = self._shared(requests, out)
-            block = slice(self.cache.scratch, self.cache.scratch + b)
-            if b == 1 and born:
-                # One robot: its prefill goes straight into its first request's row, which
-                # saves copying it there (the other requests copy it from that row).
-                block = slice(born[0][2], born[0][2] + 1)
-            kv = self.cache.kv
-            hidden = self.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv,
-                                        block)
+            plan.hidden = self.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask,
+                                             kv, block)
             t1 = clock()
             if self.static is not None and f.guide is None:
                 actions = self.static.denoise_rows(list(range(block.start, block.stop)),
@@ -451,32 +470,59 @@ class Scheduler:
                                              guide=f.guide)
             t2 = clock()
         except Exception as e:
-            for _, _r, row in born:
-                self._release(row)
-            raise BatchError(out) from e
-        out.actions = actions
-        if on_actions is not None:
-            on_actions(actions)
+            self.abandon(plan)
+            raise BatchError(plan.out) from e
+        plan.out.actions = actions
+        plan.times = [t1, t2]
+        return actions
 
+    def abandon(self, plan: FramePlan) -> None:
+        """A planned frame that will not speak: the rows planned for its requests are free."""
+        for _, _r, row in plan.born:
+            self._release(row)
+        plan.born = []
+
+    @torch.inference_mode()
+    def speak(self, plan: FramePlan) -> FrameOutput:
+        """The acted frame's language, after its chunks are out: its requests start from its
+        prefill (copied into their rows), then the frame's decode steps over every active
+        request, whichever robot's, in one batch."""
+        f, block, out, clock = plan.frame, plan.block, plan.out, self.clock
+        kv = self.cache.kv
         # Copies first: a request starting in its observation's own row may extend it.
-        for i, _r, row in born:
+        for i, _r, row in plan.born:
             if row != block.start + i:
                 kv.copy_row(block.start + i, row)
-        for i, r, row in born:
-            self._start(r, row, hidden[i:i + 1])
-        self._own_prefills(f, requests, out)
-        for i, rs in enumerate(requests):
+        for i, r, row in plan.born:
+            self._start(r, row, plan.hidden[i:i + 1])
+        self._own_prefills(f, plan.requests, out)
+        for i, rs in enumerate(plan.requests):
             for r in rs:
                 if r.row is None and not r.finished:
                     self._queue(r, f.part(i), out)
         self._admit_pending()
         t3 = clock()
-        steps, batches = self._language(out, t0)
+        steps, batches = self._language(out, plan.t0)
         t4 = clock(sync=True)
+        t0, (t1, t2) = plan.t0, plan.times
         frame_ms = t4 - t0
         if frame_ms > self.frame_budget_ms:
             self.deadline_misses += 1
         out.timing = dict(prefill_ms=t1 - t0, denoise_ms=t2 - t1, decode_ms=t4 - t3,
                           language_prefill_ms=t3 - t2, frame_ms=frame_ms, chunk_ms=t2 - t0,
-                          k=steps, batches=batches, robots=b)
+                          k=steps, batches=batches, robots=f.images.shape[0])
         return out
+
+    def step_batch(self, f: Frame, requests: list[list[Request]], on_actions=None
+                   ) -> FrameOutput:
+        """plan, act, ``on_actions(chunks)``, speak: one whole frame, for callers with
+        nothing to do between the chunks and language (benchmarks, tests)."""
+        plan = self.plan(f, requests)
+        actions = self.act(plan)
+        if on_actions is not None:
+            try:
+                on_actions(actions)
+            except BaseException:
+                self.abandon(plan)
+                raise
+        return self.speak(plan)

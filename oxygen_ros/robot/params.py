@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from oxygen_ros.engine.engine import PROMPT_FORMATS
+from oxygen_ros.engine import PROMPT_FORMATS
 from oxygen_ros.engine.scheduler import ADMISSION, MODES
 from oxygen_ros.model.processing import CONVENTIONS
 from oxygen_ros.robot import safe_yaml

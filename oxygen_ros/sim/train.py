@@ -36,6 +36,7 @@ Seeded: the same data, recipe and seed give the same run; --resume continues one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file, save_file
 
-from oxygen_ros.engine.engine import QUESTION_FORMAT
+from oxygen_ros.engine import QUESTION_FORMAT
 from oxygen_ros.model import Pi05
 from oxygen_ros.model.checkpoint import save_checkpoint
 from oxygen_ros.model.config import ModelConfig, load_config
@@ -507,7 +508,11 @@ class Trainer:
             raise ValueError(f'{checkpoint} was not exported by oxygen-train')
         # Only the schedule's length may differ: going on for more steps than the run that
         # exported it had is what this is for.
-        theirs = {k: v for k, v in trained.get('recipe', {}).items() if k != 'steps'}
+        # A key an older export lacks was added since with its default: the same recipe.
+        defaults = {f.name: f.default for f in dataclasses.fields(Recipe)
+                    if f.default is not dataclasses.MISSING}
+        theirs = {k: v for k, v in {**defaults, **trained.get('recipe', {})}.items()
+                  if k != 'steps'}
         ours = {k: v for k, v in self.recipe.__dict__.items() if k != 'steps'}
         if theirs != ours:
             diff = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))

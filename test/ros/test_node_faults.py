@@ -70,14 +70,14 @@ def _problem(*a, **k):
     return problem(*a, **k)
 contract.Config.check_prompt = _problem
 
-step = engine.Engine.step
-def _step(self, *a, **k):
+actions = engine.Engine.actions
+def _actions(self, *a, **k):
     if fired('slow', True):
         print('slow frame started', flush=True)
         time.sleep(4.0)
         print('slow frame ended', flush=True)
-    return step(self, *a, **k)
-engine.Engine.step = _step
+    return actions(self, *a, **k)
+engine.Engine.actions = _actions
 
 sys.argv[0] = 'oxygen_node'
 node.main()

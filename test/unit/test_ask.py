@@ -5,9 +5,8 @@ import pytest
 import torch
 from support.models import asking_engine  # noqa: E402
 
-from oxygen_ros.engine import Observation
+from oxygen_ros.engine import Observation, TokenEvent
 from oxygen_ros.engine.ask import DECODING, QUEUED, WAITING, Asks, Feedback, Goal, Result
-from oxygen_ros.engine.engine import TokenEvent
 from oxygen_ros.model import Pi05, load_config
 from oxygen_ros.model.tokenizer import Tokenizer
 
@@ -140,10 +139,10 @@ def test_refusals_say_why(model, tokenizer):
 
 
 def test_a_lowered_budget_is_the_default_and_the_limit(model, tokenizer):
-    # The node's live max_new_tokens lowers engine.budget: a goal's 0 means it, and more
-    # than it is refused, though the KV rows were sized for 5.
+    # The node's live max_new_tokens lowers the engine's budget (Engine.apply): a goal's 0
+    # means it, and more than it is refused, though the KV rows were sized for 5.
     engine, asks = asking_engine(model, tokenizer)
-    engine.budget = 2
+    engine.apply('max_new_tokens', 2)
     (refused,) = drain(asks.open(Goal('why?', max_new_tokens=3)))
     assert refused.reason == 'rejected' and '[0, 2]' in refused.message
     a = asks.open(Goal('what is left?'))
@@ -152,7 +151,7 @@ def test_a_lowered_budget_is_the_default_and_the_limit(model, tokenizer):
     result = drain(a)[-1]
     assert (result.reason, result.tokens) == ('budget', 2)
     # Raised back to what the rows were sized for, 0 means 5 again.
-    engine.budget = 5
+    engine.apply('max_new_tokens', 5)
     b = asks.open(Goal('what is left?'))
     for i in range(4, 10):
         frame(engine, asks, i)

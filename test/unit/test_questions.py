@@ -8,8 +8,7 @@ import pytest
 import torch
 from support.models import tiny_model  # noqa: E402
 
-from oxygen_ros.engine import Engine, EngineConfig, Observation
-from oxygen_ros.engine.engine import QUESTION_FORMAT
+from oxygen_ros.engine import QUESTION_FORMAT, Engine, EngineConfig, Observation
 from oxygen_ros.model import KV, Pi05, load_config
 from oxygen_ros.model.tokenizer import Tokenizer
 
@@ -338,8 +337,8 @@ def test_bad_questions_are_refused_at_once(model, tokenizer):
         make_engine(model, tokenizer, max_question_tokens=0).ask('why?')
     # A format of its own: the tokens that go after the prefix are exactly its text.
     rid = eng.ask('why?', prompt_format='{question}')
-    assert eng._one.inbox[-1].extension == tokenizer.encode('why?', bos=False)
-    assert eng._one.inbox[-1].id == rid and eng.stats()['questions_waiting'] == 1
+    assert eng._robots[''].inbox[-1].extension == tokenizer.encode('why?', bos=False)
+    assert eng._robots[''].inbox[-1].id == rid and eng.stats()['questions_waiting'] == 1
 
 
 def test_rows_hold_the_longest_question(model, tokenizer):
@@ -350,7 +349,7 @@ def test_rows_hold_the_longest_question(model, tokenizer):
     obs = observation(model.cfg)
     obs.prompt = ' '.join(['cup'] * 60)  # truncated to max_token_len
     rid = eng.ask(' '.join(['cup'] * 12), prompt_format='{question}')
-    assert len(eng._one.inbox[-1].extension) == 12
+    assert len(eng._robots[''].inbox[-1].extension) == 12
     events = run_until_done(eng, [rid], collect({}, eng.step(obs).events))
     assert events[rid][-1].tokens == 6 and events[rid][-1].reason == 'budget'
 
