@@ -131,3 +131,34 @@ def _result(r: Result):
 
 def _nothing() -> None:
     pass
+
+
+class RobotAsks:
+    """The engine as one robot's ~/ask sees it: its questions are about that robot's frames."""
+
+    def __init__(self, engine, robot: str):
+        self.engine, self.robot = engine, robot
+
+    def ask(self, question: str, max_new_tokens: int = 0, prompt_format: str = '') -> int:
+        return self.engine.ask(question, max_new_tokens, prompt_format, robot=self.robot)
+
+    def cancel(self, request_id: int):
+        return self.engine.cancel(request_id)
+
+    def withdraw(self, request_id: int) -> bool:
+        return self.engine.withdraw(request_id)
+
+
+class AskServers:
+    """The ~/<robot>/ask servers of a fleet, closed and destroyed together."""
+
+    def __init__(self, servers):
+        self.servers = servers
+
+    def close(self, spin_once, limit_s: float) -> int:
+        end = time.monotonic() + limit_s
+        return sum(s.close(spin_once, max(0.0, end - time.monotonic())) for s in self.servers)
+
+    def destroy(self):
+        for s in self.servers:
+            s.destroy()

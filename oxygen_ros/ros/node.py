@@ -2,11 +2,12 @@
 
 A lifecycle node (configure: check parameters, load the model, create topics; activate:
 command the robot; deactivate / cleanup / shutdown: stop, holding the robot where it is).
-What needs no ROS lives elsewhere: the parameter table and robot contract in contract.py,
-which points of a chunk to publish in playback.py, frame assembly in frames.py. Each robot's
-ROS side (its topics, samples, control loop, holds, outputs) is a RobotLink
-(robot_link.py); this file keeps the lifecycle, the parameters, the engine thread and ~/ask.
-With `robots` the node serves several robots from one engine, a link each; without it, one.
+It keeps the lifecycle, the live parameters and the watchdog; the rest has its room:
+parameters declared in node_params.py (the table is robot/params.py), one RobotLink per
+robot (its topics, samples, holds, outputs; its Intake in robot/intake.py and its control
+loop in control.py), the engine thread in engine_loop.py, /diagnostics in diagnostics.py,
+~/ask in ask_server.py. One robot is a fleet of one: with `robots` the node serves several
+from one engine, a link each, on the same path.
 
 Threads, and why:
 - the robot's inputs are not dispatched by the executor: an ALOHA publishes ~1200 messages/s
@@ -14,60 +15,36 @@ Threads, and why:
   rebuilding wait sets for them (measured with per-thread CPU counters and py-spy), time
   the model then lacked. Their subscriptions sit in a callback group no executor runs; the
   control thread takes the joint states each tick and the engine thread the newest image
-  of each camera (and the joint states come by then) before each frame, so unused images
-  are never even converted;
-- the engine thread builds a frame from the latest samples and runs engine.step; its
-  action chunk is handed to the player as soon as it exists, before language decoding. In
-  a fleet it asks the planner (engine/fleet.py) which robots are due and runs step_fleet
-  over those with a new observation;
-- each robot's control thread asks the player what to publish at control_rate_hz. It sleeps to
-  absolute deadlines instead of being an executor timer: on two cores a Python executor
-  next to the model delayed timer callbacks by tens of ms (measured). Under use_sim_time
-  control is a timer on the node's clock instead, so it follows /clock;
+  of each camera before each frame, so unused images are never even converted;
+- the engine thread (engine_loop.py) runs the frames; each robot's control thread
+  (control.py) publishes what its player says at control_rate_hz;
 - the executor runs the lifecycle and parameter services, ~/prompt, ~/narrate, ~/ask (its
-  goals are coroutines that never block it; ask.py holds the logic) and the diagnostics
-  timer.
+  goals are coroutines that never block it) and the diagnostics and watchdog timers.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import signal
 import sys
 import threading
 import time
 import traceback
 
-from rcl_interfaces.msg import (
-    FloatingPointRange,
-    IntegerRange,
-    ParameterDescriptor,
-    SetParametersResult,
-)
+from rcl_interfaces.msg import SetParametersResult
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 
 from oxygen_ros.engine.ask import Asks
-from oxygen_ros.robot.contract import Config, robot_config
-from oxygen_ros.robot.inputs import problem_key
-from oxygen_ros.robot.params import (
-    BY_NAME,
-    FLEET_BY_NAME,
-    GROUP_PARAMS,
-    LIMIT_PARAM,
-    PARAMS,
-    StartError,
-    coerce,
-    command_line_params,
-    identifier,
-    is_limit,
-    read_robot_file,
-    robot_key,
-)
+from oxygen_ros.engine.engine import LIVE as ENGINE_LIVE
+from oxygen_ros.robot.contract import Config
+from oxygen_ros.robot.params import BY_NAME, StartError
 from oxygen_ros.robot.report import Reporter
+from oxygen_ros.ros import node_params
+from oxygen_ros.ros.ask_server import AskServer, AskServers, RobotAsks
+from oxygen_ros.ros.diagnostics import Diagnostics
+from oxygen_ros.ros.engine_loop import EngineLoop, describe_weights, start_engine
 from oxygen_ros.ros.robot_link import RobotLink
 
-__all__ = ['OxygenNode', 'main', 'problem_key']
+__all__ = ['OxygenNode', 'main']
 
 SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
 ERROR = TransitionCallbackReturn.ERROR
@@ -79,40 +56,6 @@ HALT_S = 10.0
 # How often the watchdog looks at the threads and faults (s, on the steady clock: it must
 # run while simulated time stands still).
 WATCH_S = 0.1
-# After a fault outside a frame, the engine thread looks again only this much later (s), so
-# a fault that repeats cannot spin a core.
-FAULT_WAIT_S = 0.05
-
-
-class RobotAsks:
-    """The engine as one robot's ~/ask sees it: its questions are about that robot's frames."""
-
-    def __init__(self, engine, robot: str):
-        self.engine, self.robot = engine, robot
-
-    def ask(self, question: str, max_new_tokens: int = 0, prompt_format: str = '') -> int:
-        return self.engine.ask(question, max_new_tokens, prompt_format, robot=self.robot)
-
-    def cancel(self, request_id: int):
-        return self.engine.cancel(request_id)
-
-    def withdraw(self, request_id: int) -> bool:
-        return self.engine.withdraw(request_id)
-
-
-class AskServers:
-    """The ~/<robot>/ask servers of a fleet, closed and destroyed together."""
-
-    def __init__(self, servers):
-        self.servers = servers
-
-    def close(self, spin_once, limit_s: float) -> int:
-        end = time.monotonic() + limit_s
-        return sum(s.close(spin_once, max(0.0, end - time.monotonic())) for s in self.servers)
-
-    def destroy(self):
-        for s in self.servers:
-            s.destroy()
 
 
 class OxygenNode(LifecycleNode):
@@ -127,7 +70,6 @@ class OxygenNode(LifecycleNode):
         self._born = time.monotonic()
         self.log = self.get_logger()
         self.reporter = Reporter(self.log.warning)
-        self._lock = threading.Lock()
         # Ends the engine thread of the current activation; each activation gets its own, so
         # one that did not stop in time cannot be restarted by the next activation.
         self._stop = threading.Event()
@@ -142,7 +84,7 @@ class OxygenNode(LifecycleNode):
         self.ask_server = None  # from configure to cleanup, or past shutdown until main closes it
         self.start_error = StartError('a lifecycle transition failed; see the log above')
         self.fleet: dict[str, tuple[Config, str]] = {}  # robot -> (its Config, namespace)
-        self.cfg = self._read_params(argv)
+        self.cfg = node_params.read(self, argv)
         if self.fleet:
             self.links = [RobotLink(self, c, name=r, prefix=ns, private=f'~/{r}')
                           for r, (c, ns) in self.fleet.items()]
@@ -156,90 +98,8 @@ class OxygenNode(LifecycleNode):
 
     # -- parameters ------------------------------------------------------------------------
 
-    def _declare(self, name: str, p, default=None):
-        from rclpy.exceptions import ParameterUninitializedException
 
-        # dynamic_typing: a YAML `70` for a float parameter is fine; types are checked by
-        # params.coerce with a message that names the parameter.
-        desc = ParameterDescriptor(description=p.description + _range_note(p),
-                                   dynamic_typing=True, read_only=not p.live)
-        high = p.high
-        if p.type in ('int', 'int[]') and p.low is not None:
-            desc.integer_range = [IntegerRange(from_value=int(p.low), to_value=int(
-                2**31 - 1 if high is None else high))]
-        elif p.type == 'float' and p.low is not None:
-            desc.floating_point_range = [FloatingPointRange(from_value=float(p.low), to_value=(
-                1e300 if high is None else float(high)))]
-        # Our message, naming the rule broken, before rclpy's range check on the override.
-        override = self._parameter_overrides.get(name)
-        if override is not None:
-            coerce(name, override.value, p)
-        try:
-            self.declare_parameter(name, p.default if default is None else default, desc)
-            return self.get_parameter(name).value
-        except ParameterUninitializedException:
-            return None
-        except Exception as e:  # rclpy's own range or type errors on an override
-            raise StartError(f'parameter {name}: {e}') from None
 
-    def _read_params(self, argv) -> Config:
-        values = {p.name: self._declare(p.name, p) for p in PARAMS}
-        groups = coerce('output_groups', values['output_groups'], BY_NAME['output_groups'])
-        for g in groups:
-            if not identifier(g):
-                continue  # not a parameter name: Config says so below
-            for p in GROUP_PARAMS:
-                values[f'outputs.{g}.{p.name}'] = self._declare(f'outputs.{g}.{p.name}', p)
-        # Joint limits are declared as given (a params file's joint_limits mapping arrives
-        # flattened); Config says what is wrong with them.
-        limits = sorted(n for n in self._parameter_overrides if is_limit(n))
-        for name in limits:
-            values[name] = self._declare(name, LIMIT_PARAM)
-        # ROS drops a command-line -p value whose type differs from a params file's, so the
-        # command line is checked on its own too.
-        table = {p.name: p for p in PARAMS}
-        table.update({f'outputs.{g}.{p.name}': p for g in groups for p in GROUP_PARAMS})
-        table.update({name: LIMIT_PARAM for name in limits})
-        for name, value in command_line_params(argv, self.get_name()).items():
-            if name in table:
-                coerce(name, value, table[name])
-        robots = coerce('robots', values['robots'], BY_NAME['robots'])
-        if not robots:
-            return Config.from_values(values)
-        if len(set(robots)) != len(robots):
-            raise StartError(f'robots lists a name twice: {robots}')
-        for r in robots:
-            self.fleet[r] = self._read_robot(r, values)
-        # The node's own settings (engine, lifecycle) with the first robot's contract.
-        return self.fleet[robots[0]][0]
-
-    def _read_robot(self, robot: str, values: dict) -> tuple[Config, str]:
-        """A robot's <robot>.* parameters over its robot file's over the node's."""
-        own = {}
-        for full in sorted(n for n in self._parameter_overrides if n.startswith(robot + '.')):
-            name = full[len(robot) + 1:]
-            if not robot_key(name):
-                raise StartError(f'robot {robot}: {name} is not a robot parameter (the '
-                                 'model and engine are the node\'s, shared by its robots)')
-            if name.startswith('outputs.'):
-                key = name.rpartition('.')[2]
-                p = next((q for q in GROUP_PARAMS if q.name == key), None)
-                if p is None:
-                    raise StartError(f'robot {robot}: unknown parameter {name}')
-            elif is_limit(name):
-                p = LIMIT_PARAM
-            else:
-                p = FLEET_BY_NAME.get(name) or BY_NAME[name]
-            own[name] = self._declare(full, p)
-        path = own.get('robot_file') or ''
-        file_values, shared = read_robot_file(robot, path) if path else ({}, [])
-        if shared:
-            self.log.info(f'robot {robot}: {path} also sets {", ".join(shared)}: the '
-                          "node's values stand (its robots share them)")
-        cfg = robot_config(robot, values, file_values, own)
-        if 'prompt' not in own:  # settable while running, as the node's prompt is
-            self._declare(f'{robot}.prompt', BY_NAME['prompt'], cfg.p['prompt'])
-        return cfg, own.get('namespace') or robot
 
     def _set_parameters(self, params) -> SetParametersResult:
         try:
@@ -296,42 +156,21 @@ class OxygenNode(LifecycleNode):
         return None
 
     def _apply(self, name: str, value, only=None, full: str = ''):
-        links = self.links if only is None else [only]
+        """A live parameter, checked: each owner applies its part (the robots', the
+        engine's)."""
+        for link in (self.links if only is None else [only]):
+            link.apply(name, value)
+        if only is None:
+            self.cfg.p[name] = value  # a single robot's Config is the node's: set by now
+            if name == 'report_period':
+                self.reporter.period = value
+            if self.engine is not None and name in ENGINE_LIVE:
+                self.engine.apply(name, value)
         if name == 'command':
-            for link in links:  # a single robot's Config is the node's: before that is set
-                if link.cfg.p['command'] != value:
-                    link.set_command(value)
-            if only is None:
-                self.cfg.p[name] = value
             self.log.info(f'parameter {full or name} = {value!r}: '
                           + ('commanding' if value else 'shadow mode, not commanding'))
-            return
-        with self._lock:
-            if only is None:
-                self.cfg.p[name] = value
-            for link in links:
-                link.cfg.p[name] = value
-        for link in links:
-            if name == 'prompt':
-                link.set_prompt(value)
-            elif name == 'report_period':
-                link.reporter.period = value
-            elif link.player is not None and name == 'max_command_horizon':
-                link.player.horizon = value
-            elif link.player is not None and name == 'play_steps':
-                link.player.play_steps = value
-        if name == 'report_period':
-            self.reporter.period = value
-        if only is not None:
-            self.log.info(f'parameter {full} = {value!r}')
-            return
-        if self.engine is not None and name == 'temperature':
-            self.engine.cfg = dataclasses.replace(self.engine.cfg, temperature=value)
-        elif self.engine is not None and name == 'decode_k':
-            self.engine.scheduler.decode_k = value
-        elif self.engine is not None and name == 'max_new_tokens':
-            self.engine.budget = value  # questions' budget and their default
-        self.log.info(f'parameter {name} = {value!r}')
+        else:
+            self.log.info(f'parameter {full or name} = {value!r}')
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -363,7 +202,7 @@ class OxygenNode(LifecycleNode):
                 self.start_error = StartError(msg)
                 return FAILURE
         busy = [t.name for t in self._stragglers if t.is_alive()]
-        busy += [f'{link.label()}control' for link in self.links if link.busy()]
+        busy += [f'{link.label()}control' for link in self.links if link.control.busy()]
         self._stragglers = [t for t in self._stragglers if t.is_alive()]
         if busy:
             msg = (f'refusing to activate: the {", ".join(busy)} thread of the last activation '
@@ -422,55 +261,13 @@ class OxygenNode(LifecycleNode):
         return SUCCESS
 
     def _configure(self):
-        from oxygen_ros.engine import Engine, EngineConfig
-        from oxygen_ros.model.tokenizer import prompt_tokens
-
         cfg = self.cfg
         self.reporter.period = cfg.p['report_period']
-        settings = cfg.engine_settings()
-        if self.fleet:
-            settings['robots'] = len(self.links)
-            # The frame budget of the robot whose chunks are shortest.
-            settings['control_rate_hz'] = max(2.0 / link.cfg.action_period
-                                              for link in self.links)
-        try:
-            self.engine = Engine(EngineConfig.from_dict(settings))
-        except (ValueError, OSError) as e:
-            raise StartError(f'cannot start the engine: {e}') from None
-        except Exception as e:  # e.g. a corrupt safetensors file raises its own error type
-            raise StartError(f'cannot start the engine: {type(e).__name__}: {e}') from None
-        e = self.engine
-        for link in self.links:
-            link.cfg.sized_tokens = e.cfg.max_new_tokens
-            # The engine's tokenizer and format, not the engine: cleanup frees the model.
-            link.cfg.prompt_tokens = functools.partial(
-                prompt_tokens, e.tokenizer, state_dim=link.cfg.profile.state_dim,
-                prompt_format=e.cfg.prompt_format)
-            link.cfg.max_token_len = e.model_cfg.max_token_len
-            try:
-                link.cfg.check_engine(e.slots, e.action_dim, e.state_dim,
-                                      e.conventions == 'lerobot')
-                why = link.cfg.check_prompt(link.cfg.p['prompt'])
-                if why:
-                    raise StartError(f'parameter prompt: {why}')
-            except StartError as err:
-                if not self.fleet:
-                    raise
-                raise StartError(f'robot {link.name}: {err}') from None
-            if self.fleet:
-                e.add_robot(link.name)
+        self.engine = e = start_engine(cfg, self.links, bool(self.fleet))
         self._setup_ros()
-        if cfg.random_weights:
-            weights = (f'model {cfg.p["model"] or "small"} with RANDOM weights (seed '
-                       f'{cfg.p["seed"]}, no checkpoint): not a trained policy')
-        else:
-            w = e.weights
-            weights = (f'{w["layout"]} checkpoint {cfg.p["checkpoint"]} ({e.conventions} '
-                       f'conventions, normalisation {w["normalization"] or "off"}; tokenizer '
-                       f'{e.tokenizer.source}, {e.tokenizer_from})')
-        self.log.info(f'configured: {weights}; chunks of {e.action_horizon} x {e.action_dim} '
-                      f'in {e.denoise_steps} steps; cameras -> slots {cfg.slots}; '
-                      f'{cfg.p["robot"]} robot; activate to command it')
+        self.log.info(f'configured: {describe_weights(cfg, e)}; chunks of {e.action_horizon} x '
+                      f'{e.action_dim} in {e.denoise_steps} steps; cameras -> slots '
+                      f'{cfg.slots}; {cfg.p["robot"]} robot; activate to command it')
         if e.n_action_steps < e.action_horizon and not cfg.p['play_steps']:
             self.log.info(f'the checkpoint plays {e.n_action_steps} of its {e.action_horizon} '
                           f'actions per chunk (n_action_steps); play_steps: '
@@ -514,7 +311,7 @@ class OxygenNode(LifecycleNode):
         was_active = [link.deactivate(why) for link in self.links]
         self._stop.set()
         for link in self.links:
-            link.stop(HALT_S)
+            link.control.stop(HALT_S)
         end = time.monotonic() + HALT_S
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
@@ -531,18 +328,15 @@ class OxygenNode(LifecycleNode):
     # -- ROS interface ---------------------------------------------------------------------
 
     def _setup_ros(self):
-        from diagnostic_msgs.msg import DiagnosticArray
-
-        from oxygen_ros.ros.ask_server import AskServer
+        from rclpy.clock import Clock, ClockType
 
         cfg = self.cfg
         for link in self.links:
             link.configure()
-        from rclpy.clock import Clock, ClockType
-
-        self.diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', 10)
-        self._ros = [self.diag_pub,
-                     self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'], self._diagnose),
+        self.diagnostics = Diagnostics(self)
+        self._ros = [self.diagnostics.pub,
+                     self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'],
+                                       self.diagnostics.publish),
                      self.create_timer(WATCH_S, self._watch,
                                        clock=Clock(clock_type=ClockType.STEADY_TIME))]
         for link in self.links:
@@ -556,7 +350,6 @@ class OxygenNode(LifecycleNode):
                                           for link in self.links])
         else:
             self.ask_server = AskServer(self, self.asks)
-        self._msgs = dict(DiagnosticArray=DiagnosticArray)
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -566,163 +359,14 @@ class OxygenNode(LifecycleNode):
     def _start_threads(self):
         sim = self.get_parameter('use_sim_time').value
         for link in self.links:
-            link.start(sim)
-        step = self._fleet_pass if self.fleet else self._pass
-        self._threads = [threading.Thread(target=self._engine_thread, args=(self._stop, step),
-                                          name='engine', daemon=True)]
-        for t in self._threads:
-            t.start()
+            link.control.start(sim)
+        self._threads = [EngineLoop(self).start(self._stop)]
 
-    def _stopping(self, stop: threading.Event) -> bool:
-        return stop.is_set() or not self.context.ok()
 
-    def _engine_thread(self, stop: threading.Event, step):
-        """Frames until ``stop``: ``step`` runs one pass and says how long to wait. What a
-        pass does not handle itself (a robot's frame, its inputs, its outputs) is the node's
-        own code failing: every robot holds and the node leaves commanding (fail)."""
-        state = {}
-        try:
-            while not stop.is_set():
-                wait = step(stop, state)
-                if wait:
-                    stop.wait(wait)
-        except Exception as e:
-            if not self._stopping(stop):
-                self.fail(f'engine thread failed: {type(e).__name__}: {e}',
-                          traceback.format_exc())
 
-    def _pass(self, stop, _state) -> float:
-        link = self.links[0]
-        try:
-            ready, wait = link.poll(self.engine.slots)
-        except Exception as e:
-            if self._stopping(stop):
-                return 0.0
-            link.fault(f'taking its inputs failed: {type(e).__name__}: {e}',
-                       traceback.format_exc())
-            return FAULT_WAIT_S
-        if ready is None:
-            return wait
-        try:
-            result = self.engine.step(
-                ready.obs, narrate=ready.narrate,
-                max_new_tokens=self.cfg.p['max_new_tokens'],
-                on_actions=lambda a, t=ready.stamp, s=ready.state: link.on_actions(t, s, a),
-                handover=ready.handover)
-        except Exception as e:  # one bad frame must not end the node
-            if not self._stopping(stop):
-                link.failed(str(e))
-            return 0.0
-        self._finished(stop, link, ready, result)
-        self._deliver(stop, link, result.events)
-        return 0.0
 
-    def _finished(self, stop, link, ready, result):
-        """A robot's frame ended: count it. A failure here is the node's own, and holds that
-        robot."""
-        try:
-            link.finished(ready, result)
-        except Exception as e:
-            if not self._stopping(stop):
-                link.fault(f'ending its frame failed: {type(e).__name__}: {e}',
-                           traceback.format_exc())
 
-    def _deliver(self, stop, link, events):
-        """A frame's events of one robot: question events to their goals, narration out."""
-        try:
-            unowned = link.asks.deliver(events)
-        except Exception as e:
-            if not self._stopping(stop):
-                link.fault(f'delivering answers failed: {type(e).__name__}: {e}',
-                           traceback.format_exc())
-            return
-        if unowned:
-            link.reporter.report('ask:unowned', 'question events of requests '
-                                 f'{sorted({ev.request_id for ev in unowned})} that no goal '
-                                 'holds: not delivered')
-        try:
-            link.publish_events(events)
-        except Exception as e:  # publishing fails once ROS is shutting down
-            if not self._stopping(stop):
-                link.reporter.report(problem_key('publish', str(e)),
-                                     f'narration not sent: {e}')
 
-    def _fleet_pass(self, stop, state) -> float:
-        """Frames of several robots: the planner says which are due, each of those brings
-        its newest observation, and one step_fleet serves them all. A robot that is stale,
-        whose inputs are bad or whose frame fails holds; the others go on."""
-        from oxygen_ros.engine import RobotInput
-        from oxygen_ros.engine.fleet import Planner
-
-        e = self.engine
-        planner = state.get('planner')
-        if planner is None:
-            # Due with half a chunk to spare, as the engine's frame budget leaves half a
-            # chunk for the next frame's latency: the estimate is of the model's part of a
-            # frame only, and this machine's load and the image conversion come on top.
-            spare = 0.5 * min(link.cfg.action_period for link in self.links) * e.action_horizon
-            planner = state['planner'] = Planner(
-                e.chunk_seconds, max(link.cfg.p['max_input_age'] for link in self.links),
-                max_robots=len(self.links), margin=spare)
-        by = self.by_name
-        times, faulted = {}, False
-        for link in self.links:
-            try:
-                times[link.name] = link.times()
-            except Exception as err:
-                faulted = True
-                link.fault(f'taking its inputs failed: {type(err).__name__}: {err}',
-                           traceback.format_exc())
-        # Read after every robot's images were taken (which takes a while): an input that
-        # came meanwhile must not look stamped ahead of the clock.
-        now = self._now()
-        plan = planner.plan(now, times)
-        ready = {}
-        for link in self.links:
-            try:
-                if link.name not in plan.take:
-                    link.check(now)  # stale or missing inputs hold it
-                    continue
-                r, _ = link.poll(e.slots)
-            except Exception as err:
-                faulted = True
-                link.fault(f'taking its inputs failed: {type(err).__name__}: {err}',
-                           traceback.format_exc())
-                continue
-            if r is not None:
-                ready[link.name] = r
-        if not ready:
-            # Nothing due: the plan's wait. Due robots whose images were not ready (poll
-            # checks staleness at its own pace): look again soon.
-            wait = planner.look if plan.take else plan.wait
-            return max(wait, FAULT_WAIT_S) if faulted else wait
-        inputs = {n: RobotInput(r.obs, narrate=r.narrate,
-                                max_new_tokens=self.cfg.p['max_new_tokens'],
-                                handover=r.handover)
-                  for n, r in ready.items()}
-
-        def on_actions(name, actions, ready=ready):
-            r = ready[name]
-            by[name].on_actions(r.stamp, r.state, actions)
-
-        try:
-            result = e.step_fleet(inputs, on_actions=on_actions)
-        except Exception as err:  # one bad frame must not end the node
-            if not self._stopping(stop):
-                for n in ready:
-                    by[n].failed(str(err))
-            return 0.0
-        for n, why in result.errors.items():
-            by[n].failed(why)
-        for n in ready:
-            res = result.results.get(n)
-            if res is not None:
-                self._finished(stop, by[n], ready[n], res)
-        # Events of robots not in this frame too: their requests decode in every frame.
-        for n, events in result.events.items():
-            if n in by:
-                self._deliver(stop, by[n], events)
-        return 0.0
 
     # -- faults ----------------------------------------------------------------------------
 
@@ -749,11 +393,11 @@ class OxygenNode(LifecycleNode):
                 return
             if self.fault is None:
                 dead = [t.name for t in self._threads if not t.is_alive()]
-                dead += [f'{link.label()}control' for link in self.links if link.dead()]
+                dead += [f'{link.label()}control' for link in self.links if link.control.dead()]
                 if dead:
                     self.fail(f'the {", ".join(dead)} thread ended while active')
             if self.fault is not None:
-                self._diagnose()  # the ERROR goes out before cleanup ends diagnostics
+                self.diagnostics.publish()  # the ERROR goes out before cleanup ends diagnostics
                 self.trigger_deactivate()
                 return
             # Questions whose frame does not come (the inputs are stale) end, saying so.
@@ -777,58 +421,8 @@ class OxygenNode(LifecycleNode):
 
     # -- diagnostics -----------------------------------------------------------------------
 
-    def summary(self, link=None) -> dict:
-        """Everything /diagnostics reports (for one robot of a fleet), as plain numbers."""
-        link = link or self.links[0]
-        s = dict(self.engine.stats())
-        if self.fleet:
-            s.update(self.engine.robot_stats(link.name))
-        s.update(link.summary(self.engine.action_horizon))
-        s.update(link.asks.stats())
-        s.update(link.counts())
-        return s
-
-    def _diagnose(self):
-        try:
-            arr = self._msgs['DiagnosticArray']()
-            arr.header.stamp = self.get_clock().now().to_msg()
-            arr.status = [self._status(link) for link in self.links]
-        except Exception as e:  # an executor callback must not end the executor
-            for link in self.links:
-                link.fault(f'diagnostics failed: {type(e).__name__}: {e}',
-                           traceback.format_exc())
-            return
-        try:
-            self.diag_pub.publish(arr)
-        except Exception:  # shutting down
-            pass
-
-    def _status(self, link):
-        from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
-
-        s = self.summary(link)
-        st = DiagnosticStatus()
-        st.name = f'{self.get_name()}: ' + (link.name if self.fleet else 'inference')
-        st.hardware_id = self.cfg.p['device']
-        with link.lock:
-            active = link.active
-        level, st.message = link.status(s)
-        if self.fault:
-            level, st.message = 'ERROR', f'fault: {self.fault}'
-        st.level = getattr(DiagnosticStatus, level)
-        st.values = [KeyValue(key='active', value=str(active))]
-        for k, v in s.items():
-            st.values.append(KeyValue(key=k, value=f'{v:.3f}' if isinstance(v, float) else str(v)))
-        st.values.append(KeyValue(key='last_hold', value=link.hold_reason))
-        st.values.append(KeyValue(key='last_fault', value=self.fault or link.faulted))
-        if link.reporter.recent:
-            st.values.append(KeyValue(key='last_problem', value=link.reporter.recent[-1]))
-        return st
 
 
-def _range_note(p) -> str:
-    text = p.range_text()
-    return (f' ({text})' if text else '') + ('' if p.live else ' [read-only while running]')
 
 
 def main(args=None):

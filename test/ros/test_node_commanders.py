@@ -22,7 +22,7 @@ from support.process import node_env, wait_for, write_params  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint  # noqa: E402
 
 import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
-from oxygen_ros.ros.robot_link import UNDISCOVERED  # noqa: E402
+from oxygen_ros.ros.commanders import UNDISCOVERED  # noqa: E402
 
 CHECK = 1.0  # commander_check: short, so the tests wait little
 COMMANDERS = dict(PARAMS, commander_check=CHECK)

@@ -33,7 +33,7 @@ from support.node import WINDOW, keeps_commanding  # noqa: E402
 from support.process import wait_for  # noqa: E402
 
 from oxygen_ros.ros import fleet_file  # noqa: E402
-from oxygen_ros.ros.robot_link import UNDISCOVERED  # noqa: E402
+from oxygen_ros.ros.commanders import UNDISCOVERED  # noqa: E402
 
 WHY_NOT = hosts.why_not()
 needs_netns = pytest.mark.skipif(WHY_NOT is not None, reason=f'no network namespaces: {WHY_NOT}')

@@ -37,8 +37,7 @@ ALOHA = {
 
 
 def test_problem_key_ignores_numbers():
-    pytest.importorskip('rclpy')
-    from oxygen_ros.ros.node import problem_key
+    from oxygen_ros.robot.inputs import problem_key
 
     a = problem_key('frame', 'cam stale (612 ms old, limit 500 ms)')
     b = problem_key('frame', 'cam stale (1204 ms old, limit 500 ms)')
@@ -51,9 +50,8 @@ def test_problem_key_ignores_numbers():
 def test_problem_key_leaves_out_what_a_sender_controls():
     # Encodings, format strings and payload bytes are quoted or bracketed in the messages:
     # whatever a sender puts there, the key is the same.
-    pytest.importorskip('rclpy')
     from oxygen_ros.robot.images import check_payload, image_problem, parse_format
-    from oxygen_ros.ros.node import problem_key
+    from oxygen_ros.robot.inputs import problem_key
 
     class Msg:
         height, width, step, data = 2, 2, 6, bytes(12)

@@ -1,0 +1,61 @@
+"""/diagnostics: one DiagnosticStatus per robot, with the engine's figures and the robot's."""
+
+from __future__ import annotations
+
+import traceback
+
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+
+
+class Diagnostics:
+    """``node``: the OxygenNode (its engine, robot links and fault)."""
+
+    def __init__(self, node):
+        self.node = node
+        self.pub = node.create_publisher(DiagnosticArray, '/diagnostics', 10)
+
+    def summary(self, link=None) -> dict:
+        """Everything /diagnostics reports (for one robot of a fleet), as plain numbers."""
+        link = link or self.node.links[0]
+        s = dict(self.node.engine.stats())
+        if self.node.fleet:
+            s.update(self.node.engine.robot_stats(link.name))
+        s.update(link.summary(self.node.engine.action_horizon))
+        s.update(link.asks.stats())
+        s.update(link.counts())
+        return s
+
+    def publish(self):
+        try:
+            arr = DiagnosticArray()
+            arr.header.stamp = self.node.get_clock().now().to_msg()
+            arr.status = [self.status(link) for link in self.node.links]
+        except Exception as e:  # an executor callback must not end the executor
+            for link in self.node.links:
+                link.fault(f'diagnostics failed: {type(e).__name__}: {e}',
+                           traceback.format_exc())
+            return
+        try:
+            self.pub.publish(arr)
+        except Exception:  # shutting down
+            pass
+
+    def status(self, link):
+        s = self.summary(link)
+        st = DiagnosticStatus()
+        st.name = f'{self.node.get_name()}: ' + (link.name if self.node.fleet else 'inference')
+        st.hardware_id = self.node.cfg.p['device']
+        with link.lock:
+            active = link.active
+        level, st.message = link.status(s)
+        if self.node.fault:
+            level, st.message = 'ERROR', f'fault: {self.node.fault}'
+        st.level = getattr(DiagnosticStatus, level)
+        st.values = [KeyValue(key='active', value=str(active))]
+        for k, v in s.items():
+            st.values.append(KeyValue(key=k, value=f'{v:.3f}' if isinstance(v, float) else str(v)))
+        st.values.append(KeyValue(key='last_hold', value=link.hold_reason))
+        st.values.append(KeyValue(key='last_fault', value=self.node.fault or link.faulted))
+        if link.reporter.recent:
+            st.values.append(KeyValue(key='last_problem', value=link.reporter.recent[-1]))
+        return st
