@@ -39,16 +39,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from oxygen_ros.robot.share import config_dir
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def config_dir() -> Path:
-    try:
-        from ament_index_python.packages import get_package_share_directory
-
-        return Path(get_package_share_directory('oxygen_ros')) / 'config'
-    except Exception:  # not installed with colcon: the source tree
-        return ROOT / 'config'
 
 
 def robot_params(path: Path) -> dict:

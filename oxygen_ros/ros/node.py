@@ -451,7 +451,7 @@ def main(args=None):
         sys.exit(1)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    node = None
+    node = executor = None
     code = 0
     try:
         node = OxygenNode(argv)
@@ -484,6 +484,10 @@ def main(args=None):
                     node.log.warning(f'{left} ~/ask goals still running after '
                                      f'{ASK_CLOSE_S:g} s: their callers get no result')
             node.destroy_node()
+        if executor is not None:
+            # Before the context goes: an executor collected after it (a start-up error's
+            # traceback keeps it alive that long) prints one on its way out.
+            executor.shutdown(timeout_sec=0)
         rclpy.try_shutdown()
         # Python puts the default handlers back while it exits, and a signal then would kill
         # the process (exit code -2); from here on there is nothing left to stop.
