@@ -1,7 +1,7 @@
 #!/bin/bash
 # Remakes the shipped transfer-cube policy (models/aloha_sim_transfer_cube) from nothing:
 # the scripted demonstrations, then four stages of oxygen-train, each starting from the last
-# (docs/training.md says why each is there). About 2.5 hours on a 2-core CPU.
+# (docs/training.md says why each is there). About 2 hours on a 2-core CPU.
 #   tools/train_policy.sh OUT      (after `source install/setup.bash`)
 # The policy is OUT/runD/checkpoint; each stage resumes if run again (--resume).
 set -euo pipefail
@@ -21,16 +21,14 @@ train() {
 # 300 episodes, seeds 1000..1299; training holds out the last 5 of the last directory.
 demos demosA 100 1000
 demos demosB 200 1100
-# 1. The first stage (the whole top view, 95 episodes), 4000 steps; then on to step 6500
+# 1. The first stage (the whole top view, 95 episodes), 4000 steps; then on to step 6000
 #    of a 10000-step schedule.
 train runS --data demosA --steps 4000
-train runA --data demosA --start-from runS/checkpoint --steps 10000 --stop-at 6500
-# 2. The crop of the workspace, every frame drawn evenly: 1000 steps on 95 episodes, then
-#    3500 on 295.
-even=$share/config/train_transfer_cube_crop_even.yaml
-train runB --data demosA --recipe "$even" --steps 1000 --init-from runA/checkpoint
-train runC --data demosA demosB --recipe "$even" --steps 3500 --init-from runB/checkpoint
-# 3. The crop with the reach sampled more often, 10000 steps.
+train runA --data demosA --start-from runS/checkpoint --steps 10000 --stop-at 6000
+# 2. The crop of the workspace on 295 episodes, every frame drawn evenly, 2000 steps.
+train runC --data demosA demosB --recipe "$share/config/train_transfer_cube_crop_even.yaml" \
+  --steps 2000 --init-from runA/checkpoint
+# 3. The crop with the reach sampled more often, 4000 steps.
 train runD --data demosA demosB --recipe "$share/config/train_transfer_cube_crop.yaml" \
-  --init-from runC/checkpoint
+  --steps 4000 --init-from runC/checkpoint
 echo "the policy: $out/runD/checkpoint"

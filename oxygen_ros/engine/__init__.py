@@ -1,6 +1,7 @@
 """The OxyGen engine: unified KV cache, shared prefill, cross-frame continuous batching."""
 
 from ..model.rtc import Handover
+from .budget import AdaptiveK
 from .config import PROMPT_FORMATS, QUESTION_FORMAT, EngineConfig
 from .engine import Engine
 from .fleet import EveryFrame, Planner, RobotTimes
@@ -9,7 +10,7 @@ from .kv_cache import KVCache
 from .loading import random_model
 from .requests import Request
 from .runner import OpenFrame
-from .scheduler import AdaptiveK, Frame, FrameOutput, Scheduler
+from .scheduler import Frame, FrameOutput, Scheduler
 
 __all__ = ['PROMPT_FORMATS', 'QUESTION_FORMAT', 'AdaptiveK', 'Engine', 'EngineConfig',
            'EveryFrame', 'FleetResult', 'Frame', 'FrameOutput', 'FrameResult', 'Handover',

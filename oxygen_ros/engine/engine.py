@@ -101,8 +101,8 @@ class Engine:
         self._owner = threading.Lock()
         self.questions = Questions(cfg, self.tokenizer, self.scheduler, self._robots,
                                    self._owner, lambda: self.runner.refresh())
-        self.runner = Runner(cfg, self.scheduler, self.inputs, self.questions, self._robots,
-                             self._owner, budget)
+        self.runner = Runner(cfg, self.scheduler, self.cache, self.inputs, self.questions,
+                             self._robots, self._owner, budget)
 
     # -- what the checkpoint states (the node checks the robot against these) -------------
 
@@ -270,7 +270,7 @@ class Engine:
             seed = self.cfg.seed * 1_000_003 + zlib.crc32(name.encode())
         with self.questions.lock:
             self._robots[name] = RobotState(name, seed)
-            self.scheduler.caps[name] = rows
+            self.cache.caps[name] = rows
 
     @property
     def robots(self) -> tuple[str, ...]:
@@ -332,7 +332,7 @@ class Engine:
         r = self.runner
         with r.stats_lock:
             snap = r.snap['robots'].get(name) or dict(
-                kv_rows=0, kv_row_cap=self.scheduler.cap(name), active_requests=0,
+                kv_rows=0, kv_row_cap=self.cache.cap(name), active_requests=0,
                 pending_requests=0)
             out = dict(frames=rb.frames, errors=rb.errors, rtc_frames=rb.guided, **snap)
         with self.questions.lock:

@@ -41,6 +41,10 @@ class KVCache:
         self.scratch = max_requests  # the first scratch row
         self.scratch_rows = scratch_rows
         self._free = list(range(max_requests))
+        # KV rows a robot's requests may hold at once; 0 = a fair share of the pool. A robot
+        # not named here (a fleet of one) may take every row.
+        self.caps: dict[str, int] = {}
+        self._owners: dict[int, str] = {}  # request row -> the robot whose request holds it
 
     @property
     def free_rows(self) -> int:
@@ -58,12 +62,28 @@ class KVCache:
     def total_bytes(self) -> int:
         return self.kv.nbytes
 
-    def alloc(self) -> int | None:
-        """A free request row, or None when every row is taken."""
+    def alloc(self, robot: str = '') -> int | None:
+        """A free request row for a request of ``robot``, or None when every row is taken."""
         if not self._free:
             return None
         # Rows start cleared and are cleared again when freed.
-        return self._free.pop(0)
+        row = self._free.pop(0)
+        self._owners[row] = robot
+        return row
+
+    def cap(self, robot: str) -> int | None:
+        """The most rows ``robot``'s requests may hold; None: no cap of its own."""
+        if robot not in self.caps:
+            return None
+        return self.caps[robot] or max(1, self.max_requests // len(self.caps))
+
+    def held(self, robot: str) -> int:
+        """Rows ``robot``'s requests hold."""
+        return sum(owner == robot for owner in self._owners.values())
+
+    def at_cap(self, robot: str) -> bool:
+        cap = self.cap(robot)
+        return cap is not None and self.held(robot) >= cap
 
     def free(self, row: int) -> None:
         if not 0 <= row < self.max_requests:
@@ -71,5 +91,6 @@ class KVCache:
         if row in self._free:
             raise ValueError(f'row {row} is already free')
         self.kv.clear(slice(row, row + 1))
+        self._owners.pop(row, None)
         self._free.append(row)
         self._free.sort()

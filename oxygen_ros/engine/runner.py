@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .budget import AdaptiveK
 from .inputs import ModelInputs, Prepared
 from .io import FleetResult, FrameResult, RobotInput
 from .questions import Questions
 from .requests import Request
-from .scheduler import AdaptiveK, BatchError, FramePlan
+from .scheduler import BatchError, FramePlan
 
 
 class RobotState:
@@ -66,9 +67,9 @@ class OpenFrame:
 
 
 class Runner:
-    def __init__(self, cfg, scheduler, inputs: ModelInputs, questions: Questions,
+    def __init__(self, cfg, scheduler, cache, inputs: ModelInputs, questions: Questions,
                  robots: dict[str, RobotState], owner: threading.Lock, budget_ms: float):
-        self.cfg, self.scheduler, self.inputs = cfg, scheduler, inputs
+        self.cfg, self.scheduler, self.cache, self.inputs = cfg, scheduler, cache, inputs
         self.questions, self.robots, self.owner = questions, robots, owner
         self.stats_lock = threading.Lock()
         self.recent = collections.deque(maxlen=200)  # (wall time, frame ms, tokens)
@@ -237,7 +238,8 @@ class Runner:
         s = self.scheduler
         active = [r.robot for r in s.active]
         pending = [r.robot for r, _ in s.pending]
-        robots = {n: dict(kv_rows=s.held(n), kv_row_cap=s.cap(n),
+        c = self.cache
+        robots = {n: dict(kv_rows=c.held(n), kv_row_cap=c.cap(n),
                           active_requests=active.count(n), pending_requests=pending.count(n))
                   for n in self.robots if n}
         return dict(active_requests=len(active), pending_requests=len(pending),

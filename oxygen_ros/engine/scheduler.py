@@ -31,12 +31,12 @@ refuses or queues its own requests, never another robot's.
 from __future__ import annotations
 
 import collections
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..model.rtc import Guide
+from .budget import AdaptiveK, Clock
 from .graphs import StaticPhases
 from .kv_cache import KVCache
 from .requests import Request, sample
@@ -99,61 +99,6 @@ class BatchError(RuntimeError):
         self.out = out
 
 
-class Clock:
-    """Wall time in ms. On CUDA a reading waits for the device when ``phases`` is on (phase
-    times are then real) or when asked (the frame's end); otherwise it does not stall the
-    queue of kernels in the middle of a frame."""
-
-    def __init__(self, device, phases: bool = True):
-        self.cuda = torch.device(device).type == 'cuda'
-        self.phases = phases
-
-    def __call__(self, sync: bool = False) -> float:
-        if self.cuda and (sync or self.phases):
-            torch.cuda.synchronize()
-        return time.perf_counter() * 1e3
-
-
-class AdaptiveK:
-    """Decides, before each decode step, whether one more fits in the frame budget.
-
-    Step times are learned per batch size from the recent past; the estimate is the slowest
-    of the last few, so a noisy machine makes it cautious rather than late. The action chunk
-    is already out when this is asked: only language yields to the deadline.
-    """
-
-    def __init__(self, budget_ms: float, k_max: int, history: int = 16):
-        self.budget_ms = budget_ms
-        self.k_max = k_max
-        self._seen: dict[int, collections.deque] = {}
-        self._history = history
-
-    def observe(self, batch: int, ms: float) -> None:
-        self._seen.setdefault(batch, collections.deque(maxlen=self._history)).append(ms)
-
-    def estimate(self, batch: int) -> float | None:
-        if batch in self._seen:
-            return max(self._seen[batch])
-        bigger = [b for b in self._seen if b > batch]
-        if bigger:
-            return max(self._seen[min(bigger)])
-        smaller = [b for b in self._seen if b < batch]
-        if smaller:
-            b = max(smaller)
-            # A decode step grows at most linearly with the batch.
-            return max(self._seen[b]) * batch / b
-        return None
-
-    def fits(self, elapsed_ms: float, steps_done: int, batch: int) -> bool:
-        if steps_done >= self.k_max:
-            return False
-        est = self.estimate(batch)
-        if est is None:
-            # Nothing measured yet: one step to learn from, never more.
-            return steps_done == 0
-        return elapsed_ms + est <= self.budget_ms
-
-
 class Scheduler:
     """OxyGen's frame: one prefill per observation, its chunk, then its language requests
     from that same prefill, and k decode steps a frame for every open request of every frame
@@ -188,47 +133,19 @@ class Scheduler:
         self.clock = Clock(cache.kv.device, phase_timing)
         # Static shapes (CUDA graphs on a GPU) for the unguided denoise and the decode step.
         self.static = StaticPhases(model, cache, denoise_steps, robots) if graphs else None
-        # KV rows a robot's requests may hold at once; 0 = a fair share of the pool. A robot
-        # not named here (a fleet of one) may take every row.
-        self.caps: dict[str, int] = {}
-        self._owners: dict[int, str] = {}  # KV row -> the robot whose request holds it
         self.deadline_misses = 0
         self.rejected = 0
         self.dropped = 0
 
     # -- admission -------------------------------------------------------------------------
 
-    def cap(self, robot: str) -> int | None:
-        """The most KV rows ``robot``'s requests may hold; None: no cap of its own."""
-        if robot not in self.caps:
-            return None
-        return self.caps[robot] or max(1, self.cache.max_requests // len(self.caps))
-
-    def held(self, robot: str) -> int:
-        """KV rows ``robot``'s requests hold, those admitted this frame included."""
-        return sum(owner == robot for owner in self._owners.values())
-
-    def _alloc(self, robot: str) -> int | None:
-        row = self.cache.alloc()
-        if row is not None:
-            self._owners[row] = robot
-        return row
-
-    def _release(self, row: int) -> None:
-        self.cache.free(row)
-        self._owners.pop(row, None)
-
-    def _at_cap(self, robot: str) -> bool:
-        cap = self.cap(robot)
-        return cap is not None and self.held(robot) >= cap
-
     def _admit(self, request: Request, out: FrameOutput) -> int | None:
         robot = request.robot
         if self.admission == 'wait' and any(r.robot == robot for r, _ in self.pending):
             return None  # first come, first served: queue behind the robot's waiting ones
-        capped = self._at_cap(robot)
+        capped = self.cache.at_cap(robot)
         if not capped:
-            row = self._alloc(robot)
+            row = self.cache.alloc(robot)
             if row is not None:
                 return row
         # A robot at its cap gives up one of its own rows; otherwise the pool is full and
@@ -236,21 +153,21 @@ class Scheduler:
         if capped:
             victims = [r for r in self.active if r.robot == robot]
         else:
-            most = max((self.held(r.robot) for r in self.active), default=0)
-            victims = [r for r in self.active if self.held(r.robot) == most]
+            most = max((self.cache.held(r.robot) for r in self.active), default=0)
+            victims = [r for r in self.active if self.cache.held(r.robot) == most]
         if self.admission == 'drop_oldest' and victims:
             oldest = min(victims, key=lambda r: r.stamp)
             oldest.note = 'dropped to free a KV row for a newer request (admission drop_oldest)'
             self._finish(oldest, out, 'dropped')
             self.dropped += 1
-            return self._alloc(robot)
+            return self.cache.alloc(robot)
         if self.admission == 'wait':
             # Waits for a row; its prefill is redone then, in language time, never the actions'.
             return None
         self.rejected += 1
         request.end('rejected')
-        request.note = (f'robot {robot!r} holds its cap of {self.cap(robot)} KV rows (admission '
-                        f'{self.admission})' if capped else
+        request.note = (f'robot {robot!r} holds its cap of {self.cache.cap(robot)} KV rows '
+                        f'(admission {self.admission})' if capped else
                         f'all {self.cache.max_requests} KV rows are busy (admission '
                         f'{self.admission})')
         out.rejected.append(request)
@@ -277,7 +194,7 @@ class Scheduler:
     def _finish(self, r: Request, out: FrameOutput, reason: str | None = None) -> None:
         if reason is not None:
             r.end(reason)
-        self._release(r.row)
+        self.cache.free(r.row)
         r.row = None
         self.active.remove(r)
         self._hidden.pop(r.id, None)
@@ -381,10 +298,10 @@ class Scheduler:
             if not self.cache.free_rows:
                 break
             request, f = entry
-            if self._at_cap(request.robot):
+            if self.cache.at_cap(request.robot):
                 continue
             self._unqueue(entry)
-            row = self._alloc(request.robot)
+            row = self.cache.alloc(request.robot)
             self._start(request, row, self._prefill(f, row))
 
     # -- one frame -------------------------------------------------------------------------
@@ -479,7 +396,7 @@ class Scheduler:
     def abandon(self, plan: FramePlan) -> None:
         """A planned frame that will not speak: the rows planned for its requests are free."""
         for _, _r, row in plan.born:
-            self._release(row)
+            self.cache.free(row)
         plan.born = []
 
     @torch.inference_mode()

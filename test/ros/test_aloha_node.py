@@ -16,11 +16,7 @@ here; everything after the model (adding the state back, the flips, the gripper 
 openpi's arithmetic restated below.
 """
 import contextlib
-import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,7 +29,6 @@ import torch  # noqa: E402
 from ament_index_python.packages import get_package_share_directory  # noqa: E402
 from lifecycle_msgs.msg import Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState  # noqa: E402
-from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from support.aloha import (  # noqa: E402
     CAMERAS,
     CONTROLLERS,
@@ -43,8 +38,9 @@ from support.aloha import (  # noqa: E402
     camera_topic,
     joint_topic,
 )
+from support.node import node_process  # noqa: E402
 from support.paths import TOOLS  # noqa: E402
-from support.process import new_domain, node_env, wait_for, write_params  # noqa: E402
+from support.process import new_domain, wait_for  # noqa: E402
 
 import oxygen_ros.msg  # noqa: E402, F401 (built by colcon; must import)
 from oxygen_ros.engine import Engine, EngineConfig, Observation  # noqa: E402
@@ -247,36 +243,15 @@ def test_aloha_yaml_names_the_robots_topics_and_joints():
 def aloha_node(tmp: Path, overrides: dict, domain: str):
     """oxygen_node on the installed pi05.yaml and aloha.yaml, then `overrides`, and the fake
     robot spun in a thread of this process."""
-    log_path = tmp / 'node.log'
-    log = open(log_path, 'w')
-    files = [CONFIG / 'pi05.yaml', CONFIG / 'aloha.yaml',
-             write_params(tmp / 'test.yaml', overrides)]
-    args = [a for f in files for a in ('--params-file', str(f))]
-    proc = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args', *args],
-                            stdout=log, stderr=subprocess.STDOUT, env=node_env(domain))
-    os.environ['ROS_DOMAIN_ID'] = domain
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    node = rclpy.create_node('fake_aloha', context=context)
-    robot = AlohaRobot(node, {'left': LEFT, 'right': RIGHT}, camera_images())
-    robot.proc, robot.log = proc, log_path.read_text
-    robot.change = node.create_client(ChangeState, '/oxygen_node/change_state')
-    ex = SingleThreadedExecutor(context=context)
-    ex.add_node(node)
-    threading.Thread(target=ex.spin, daemon=True).start()
-    try:
+    def make(node):
+        robot = AlohaRobot(node, {'left': LEFT, 'right': RIGHT}, camera_images())
+        robot.change = node.create_client(ChangeState, '/oxygen_node/change_state')
+        return robot
+
+    with node_process(tmp, overrides, domain, 'fake_aloha', make,
+                      files=(CONFIG / 'pi05.yaml', CONFIG / 'aloha.yaml')) as (proc, robot):
+        robot.proc = proc
         yield robot
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        ex.shutdown(timeout_sec=1)
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)
-        log.close()
 
 
 def moving(received):

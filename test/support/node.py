@@ -313,15 +313,17 @@ class Robot:
 
 
 @contextlib.contextmanager
-def node_process(tmp, params, domain, name, make, *ros_args, program=('-m', 'oxygen_ros.ros.node')):
+def node_process(tmp, params, domain, name, make, *ros_args, program=('-m', 'oxygen_ros.ros.node'),
+                 files=()):
     """The installed oxygen_node as its own process with `params`, and a node of ours built
     by `make(node)` and spun in a thread. Yields (process, what make built); `.log()` on
     the latter reads the node's output. `program`: what python runs instead of the node's
-    module (a script that starts it)."""
+    module (a script that starts it); `files`: parameter files read before `params`."""
     log_path = tmp / 'node.log'
     log = open(log_path, 'w')
+    before = [a for f in files for a in ('--params-file', str(f))]
     proc = subprocess.Popen(
-        [sys.executable, *program, '--ros-args', '--params-file',
+        [sys.executable, *program, '--ros-args', *before, '--params-file',
          write_params(tmp / 'params.yaml', params), *ros_args],
         stdout=log, stderr=subprocess.STDOUT, env=node_env(domain))
     os.environ['ROS_DOMAIN_ID'] = domain

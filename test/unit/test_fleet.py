@@ -148,11 +148,11 @@ def test_a_chatty_robot_keeps_to_its_cap(model, admission):
         assert res.errors == {}
         for r, evs in res.events.items():
             events[r] += evs
-        assert e.scheduler.held('chatty') <= 2
+        assert e.cache.held('chatty') <= 2
         if i == 4:
             assert res.results['quiet'].rejected is None
-            assert e.scheduler.held('quiet') == 1
-    assert e.scheduler.cap('chatty') == e.scheduler.cap('quiet') == 2
+            assert e.cache.held('quiet') == 1
+    assert e.cache.cap('chatty') == e.cache.cap('quiet') == 2
     ended = [ev for ev in events['chatty'] if ev.cancelled or ev.reason == 'queued']
     assert ended, 'the chatty robot was never held back'
     if admission == 'drop_oldest':
@@ -171,7 +171,7 @@ def test_cap_given_per_robot(model):
     e = engine(model, robots=2, max_requests=6, admission='reject_newest', decode_k=1)
     e.add_robot('big', max_rows=5)
     e.add_robot('small', max_rows=1)
-    assert (e.scheduler.cap('big'), e.scheduler.cap('small')) == (5, 1)
+    assert (e.cache.cap('big'), e.cache.cap('small')) == (5, 1)
     big, small = observations(e.model_cfg, 'a', 4, 0), observations(e.model_cfg, 'c', 4, 1)
     rejected = {'big': 0, 'small': 0}
     for i in range(4):
@@ -180,7 +180,7 @@ def test_cap_given_per_robot(model):
         for r in rejected:
             rejected[r] += res.results[r].rejected is not None
     assert rejected == {'big': 0, 'small': 3}
-    assert e.scheduler.held('big') == 4 and e.scheduler.held('small') == 1
+    assert e.cache.held('big') == 4 and e.cache.held('small') == 1
     with pytest.raises(ValueError, match='max_rows'):
         e.add_robot('huge', max_rows=7)
 
@@ -245,7 +245,7 @@ def test_one_robots_bad_input_fails_only_that_robot(model):
         alone = engine(model).step(good[r], noise=noise[r]).actions
         np.testing.assert_allclose(res.results[r].actions, alone, rtol=1e-5, atol=1e-5)
     # Only the good robots' narrations took rows.
-    assert e.scheduler.held('a') == e.scheduler.held('b') == e.scheduler.held('c') == 1
+    assert e.cache.held('a') == e.cache.held('b') == e.cache.held('c') == 1
     assert len(e.scheduler.active) == 3
 
 
@@ -277,7 +277,7 @@ def test_model_failure_on_one_robot_stays_with_it(model):
     assert list(res.errors) == ['c'] and 'device lost' in res.errors['c']
     assert e.stats()['questions_waiting'] == 1 and e._robots['c'].inbox
     # b's question and both narrations run; no row was lost to the failed batch.
-    assert e.scheduler.held('b') == 2 and e.scheduler.held('a') == 1
+    assert e.cache.held('b') == 2 and e.cache.held('a') == 1
     assert e.cache.free_rows == 6 - 3
     assert e.robot_stats('c') == dict(frames=0, errors=1, rtc_frames=0, kv_rows=0,
                                       kv_row_cap=2, active_requests=0, pending_requests=0,
