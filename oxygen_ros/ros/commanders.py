@@ -94,6 +94,12 @@ class Commanders:
         if not heard:
             return None
         others = self.others(heard)
+        # Heard before the graph names who sent it (a node just started): while listening,
+        # give discovery the rest of the window to name it.
+        while listen and time.monotonic() - start < listen and any(
+                UNDISCOVERED in others.get(t, [UNDISCOVERED]) for t in heard):
+            time.sleep(0.05)
+            others = self.others(heard)
         who = '; '.join(f'{t} <- {", ".join(others.get(t) or ["an unknown node"])}'
                         for t in heard)
         return f'another node commands this robot: {who}'
