@@ -53,6 +53,7 @@ HOLD_TOL_M = 1e-3
 STILL_TOL_M = 5e-4
 # MuJoCo's joint limits are soft: a joint pressed against one may sink in by a hair.
 RANGE_TOL = 1e-3
+FINGER_MIRROR_TOL = 0.01  # m; a finger travels 0.021..0.057
 
 
 def model_ranges() -> dict:
@@ -187,8 +188,11 @@ def test_node_drives_the_simulated_aloha(rig):
             for j in ARM + ['left_finger', 'right_finger']:
                 lo, hi = ranges[(side, j)]
                 assert lo - RANGE_TOL <= q[NAMES.index(j)] <= hi + RANGE_TOL, (side, j, q)
-            # The servo angle is the finger's, as the follower reports both.
-            assert abs(q[7] + q[8]) < 2e-3, q
+            # Both fingers reported, right_finger the mirror of left_finger: a sign or
+            # mapping error puts the sum at twice a finger's travel (>= 0.042 m). The two
+            # position actuators track their mirrored targets separately, so under a fast
+            # command or a touch they part by a few millimetres (2.1 mm seen in CI).
+            assert abs(q[7] + q[8]) < FINGER_MIRROR_TOL, q
         # Driven, not just standing: the arm left gym-aloha's start pose.
         base = 0 if side == 'left' else 8
         moved = max(np.abs(q[:6] - START_ARM_POSE[base:base + 6]).max() for _, q in readings)
