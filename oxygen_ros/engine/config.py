@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from ..model.processing import CONVENTIONS
-from .scheduler import ADMISSION, MODES
+from .admission import ADMISSION
+from .scheduler import MODES
 
 PROMPT_FORMATS = ('pi05', 'subtask')
 # How a question follows the frame's prefix (images and task) in its request's row.

@@ -328,16 +328,7 @@ class Engine:
 
     def robot_stats(self, name: str) -> dict:
         """One robot's part of the engine, for its diagnostics (safe from any thread)."""
-        rb = self._robots[name]
-        r = self.runner
-        with r.stats_lock:
-            snap = r.snap['robots'].get(name) or dict(
-                kv_rows=0, kv_row_cap=self.cache.cap(name), active_requests=0,
-                pending_requests=0)
-            out = dict(frames=rb.frames, errors=rb.errors, rtc_frames=rb.guided, **snap)
-        with self.questions.lock:
-            out['questions_waiting'] = len(rb.inbox)
-        return out
+        return self.runner.robot_stats(name)
 
     @property
     def frames(self) -> int:
@@ -346,26 +337,4 @@ class Engine:
     def stats(self) -> dict:
         """The engine's figures for diagnostics; safe from any thread (the scheduler's part
         is the snapshot taken as the last frame ended)."""
-        r = self.runner
-        with r.stats_lock:
-            recent = list(r.recent)
-            snap = dict(r.snap)
-            frames = r.frames
-        ms = np.array([m for _, m, _ in recent]) if recent else np.zeros(1)
-        tokens = sum(n for _, _, n in recent)
-        return dict(
-            frames=frames,
-            action_hz=self.action_horizon * 1000.0 / ms.mean() if recent else 0.0,
-            frame_ms_p50=float(np.percentile(ms, 50)),
-            frame_ms_p99=float(np.percentile(ms, 99)),
-            tokens_per_s=tokens * 1000.0 / ms.sum() if recent else 0.0,
-            active_requests=snap['active_requests'],
-            pending_requests=snap['pending_requests'],
-            questions_waiting=self.questions.waiting(),
-            kv_bytes=self.cache.total_bytes,
-            kv_bytes_per_slot=self.cache.bytes_per_slot,
-            deadline_misses=snap['deadline_misses'],
-            rtc_frames=sum(rb.guided for rb in self._robots.values()),
-            rejected_requests=snap['rejected_requests'],
-            dropped_requests=snap['dropped_requests'],
-        )
+        return self.runner.stats(self.action_horizon)

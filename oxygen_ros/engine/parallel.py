@@ -42,16 +42,8 @@ class ParallelScheduler:
         self.deadline_misses = 0
 
     @property
-    def pending(self):
-        return self.lang.pending
-
-    @property
-    def rejected(self):
-        return self.lang.rejected
-
-    @property
-    def dropped(self):
-        return self.lang.dropped
+    def admit(self):
+        return self.lang.admit
 
     def cancel_all(self):
         return self.lang.cancel_all()

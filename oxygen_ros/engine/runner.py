@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .budget import AdaptiveK
@@ -221,7 +222,7 @@ class Runner:
         self._requeue(part)
 
     def _requeue(self, part: Part) -> None:
-        waiting = {r.id for r, _ in self.scheduler.pending}
+        waiting = {r.id for r, _ in self.scheduler.admit.pending}
         with self.questions.lock:
             for p, rs in zip(part.prepared, part.requests, strict=True):
                 again = [r for r in rs if r.kind == 'question' and r.row is None
@@ -237,11 +238,49 @@ class Runner:
     def snapshot(self) -> dict:
         s = self.scheduler
         active = [r.robot for r in s.active]
-        pending = [r.robot for r, _ in s.pending]
+        pending = [r.robot for r, _ in s.admit.pending]
         c = self.cache
         robots = {n: dict(kv_rows=c.held(n), kv_row_cap=c.cap(n),
                           active_requests=active.count(n), pending_requests=pending.count(n))
                   for n in self.robots if n}
         return dict(active_requests=len(active), pending_requests=len(pending),
-                    deadline_misses=s.deadline_misses, rejected_requests=s.rejected,
-                    dropped_requests=s.dropped, robots=robots)
+                    deadline_misses=s.deadline_misses, rejected_requests=s.admit.rejected,
+                    dropped_requests=s.admit.dropped, robots=robots)
+
+    def robot_stats(self, name: str) -> dict:
+        """One robot's part of the engine, for its diagnostics (safe from any thread)."""
+        rb = self.robots[name]
+        with self.stats_lock:
+            snap = self.snap['robots'].get(name) or dict(
+                kv_rows=0, kv_row_cap=self.cache.cap(name), active_requests=0,
+                pending_requests=0)
+            out = dict(frames=rb.frames, errors=rb.errors, rtc_frames=rb.guided, **snap)
+        with self.questions.lock:
+            out['questions_waiting'] = len(rb.inbox)
+        return out
+
+    def stats(self, action_horizon: int) -> dict:
+        """The engine's figures for diagnostics; safe from any thread (the scheduler's part
+        is the snapshot taken as the last frame ended)."""
+        with self.stats_lock:
+            recent = list(self.recent)
+            snap = dict(self.snap)
+            frames = self.frames
+        ms = np.array([m for _, m, _ in recent]) if recent else np.zeros(1)
+        tokens = sum(n for _, _, n in recent)
+        return dict(
+            frames=frames,
+            action_hz=action_horizon * 1000.0 / ms.mean() if recent else 0.0,
+            frame_ms_p50=float(np.percentile(ms, 50)),
+            frame_ms_p99=float(np.percentile(ms, 99)),
+            tokens_per_s=tokens * 1000.0 / ms.sum() if recent else 0.0,
+            active_requests=snap['active_requests'],
+            pending_requests=snap['pending_requests'],
+            questions_waiting=self.questions.waiting(),
+            kv_bytes=self.cache.total_bytes,
+            kv_bytes_per_slot=self.cache.bytes_per_slot,
+            deadline_misses=snap['deadline_misses'],
+            rtc_frames=sum(rb.guided for rb in self.robots.values()),
+            rejected_requests=snap['rejected_requests'],
+            dropped_requests=snap['dropped_requests'],
+        )

@@ -30,19 +30,18 @@ refuses or queues its own requests, never another robot's.
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass, field
 
 import torch
 
 from ..model.rtc import Guide
+from .admission import Admission
 from .budget import AdaptiveK, Clock
 from .graphs import StaticPhases
 from .kv_cache import KVCache
 from .requests import Request, sample
 
 MODES = ('oxygen', 'shared_kv', 'isolated')  # OxyGen, then the paper's baselines
-ADMISSION = ('drop_oldest', 'reject_newest', 'wait')
 
 
 @dataclass
@@ -111,8 +110,6 @@ class Scheduler:
                  admission: str = 'drop_oldest', max_pending: int = 4,
                  vocab_limit: int | None = None, graphs: bool = False,
                  phase_timing: bool = True, robots: int = 1):
-        if admission not in ADMISSION:
-            raise ValueError(f'admission must be one of {ADMISSION}, got {admission!r}')
         if denoise_steps < 1:
             raise ValueError(f'denoise_steps must be >= 1, got {denoise_steps}')
         if decode_k < 0:
@@ -121,75 +118,22 @@ class Scheduler:
         self.cache = cache
         self.denoise_steps = denoise_steps
         self.decode_k = decode_k
-        self.admission = admission
-        self.max_pending = max_pending
         self.vocab_limit = vocab_limit
         self.frame_budget_ms = frame_budget_ms
         self.adaptive = AdaptiveK(frame_budget_ms, k_max=cache.max_new_tokens) \
             if decode_k == 0 else None
+        self.admit = Admission(admission, max_pending, cache)
         self.active: list[Request] = []
-        self.pending: collections.deque[tuple[Request, Frame]] = collections.deque()
         self._hidden: dict[int, torch.Tensor] = {}  # first-token hidden of new requests
         self.clock = Clock(cache.kv.device, phase_timing)
         # Static shapes (CUDA graphs on a GPU) for the unguided denoise and the decode step.
         self.static = StaticPhases(model, cache, denoise_steps, robots) if graphs else None
         self.deadline_misses = 0
-        self.rejected = 0
-        self.dropped = 0
 
-    # -- admission -------------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------
 
     def _admit(self, request: Request, out: FrameOutput) -> int | None:
-        robot = request.robot
-        if self.admission == 'wait' and any(r.robot == robot for r, _ in self.pending):
-            return None  # first come, first served: queue behind the robot's waiting ones
-        capped = self.cache.at_cap(robot)
-        if not capped:
-            row = self.cache.alloc(robot)
-            if row is not None:
-                return row
-        # A robot at its cap gives up one of its own rows; otherwise the pool is full and
-        # the robot holding the most rows gives one up.
-        if capped:
-            victims = [r for r in self.active if r.robot == robot]
-        else:
-            most = max((self.cache.held(r.robot) for r in self.active), default=0)
-            victims = [r for r in self.active if self.cache.held(r.robot) == most]
-        if self.admission == 'drop_oldest' and victims:
-            oldest = min(victims, key=lambda r: r.stamp)
-            oldest.note = 'dropped to free a KV row for a newer request (admission drop_oldest)'
-            self._finish(oldest, out, 'dropped')
-            self.dropped += 1
-            return self.cache.alloc(robot)
-        if self.admission == 'wait':
-            # Waits for a row; its prefill is redone then, in language time, never the actions'.
-            return None
-        self.rejected += 1
-        request.end('rejected')
-        request.note = (f'robot {robot!r} holds its cap of {self.cache.cap(robot)} KV rows '
-                        f'(admission {self.admission})' if capped else
-                        f'all {self.cache.max_requests} KV rows are busy (admission '
-                        f'{self.admission})')
-        out.rejected.append(request)
-        out.finished.append(request)
-        return None
-
-    def _queue(self, request: Request, f: Frame, out: FrameOutput) -> None:
-        self.pending.append((request, f))
-        mine = [p for p in self.pending if p[0].robot == request.robot]
-        while len(mine) > self.max_pending:
-            old, _ = entry = mine.pop(0)
-            self._unqueue(entry)
-            old.end('dropped')
-            old.note = f'dropped from the wait queue, which holds {self.max_pending}'
-            out.finished.append(old)
-            self.dropped += 1
-        if not request.finished:
-            out.queued.append(request)
-
-    def _unqueue(self, entry: tuple) -> None:
-        # By identity: requests and frames compare by value (tensors among them).
-        self.pending = collections.deque(p for p in self.pending if p is not entry)
+        return self.admit.row(request, out, self.active, self._finish)
 
     def _finish(self, r: Request, out: FrameOutput, reason: str | None = None) -> None:
         if reason is not None:
@@ -208,23 +152,13 @@ class Scheduler:
                 self._finish(r, FrameOutput(actions=torch.empty(0)), 'cancelled')
                 r.note = 'cancelled by its caller'
                 return r
-        for i, (r, _) in enumerate(self.pending):
-            if r.id == request_id:
-                del self.pending[i]
-                r.end('cancelled')
-                r.note = 'cancelled by its caller while waiting for a KV row'
-                return r
-        return None
+        return self.admit.cancel(request_id)
 
     def cancel_all(self) -> list[Request]:
         out = FrameOutput(actions=torch.empty(0))
         for r in list(self.active):
             self._finish(r, out, 'cancelled')
-        for r, _ in self.pending:
-            r.end('cancelled')
-            out.finished.append(r)
-        self.pending.clear()
-        return out.finished
+        return out.finished + self.admit.cancel_all()
 
     # -- phases ----------------------------------------------------------------------------
 
@@ -291,18 +225,6 @@ class Scheduler:
         while self.active:
             batches.append(self._decode_step(out))
         return batches
-
-    def _admit_pending(self) -> None:
-        # In arrival order, skipping robots at their cap (their turn comes when they free one).
-        for entry in list(self.pending):
-            if not self.cache.free_rows:
-                break
-            request, f = entry
-            if self.cache.at_cap(request.robot):
-                continue
-            self._unqueue(entry)
-            row = self.cache.alloc(request.robot)
-            self._start(request, row, self._prefill(f, row))
 
     # -- one frame -------------------------------------------------------------------------
 
@@ -416,8 +338,9 @@ class Scheduler:
         for i, rs in enumerate(plan.requests):
             for r in rs:
                 if r.row is None and not r.finished:
-                    self._queue(r, f.part(i), out)
-        self._admit_pending()
+                    self.admit.queue(r, f.part(i), out)
+        for r, part, row in self.admit.admit_waiting():
+            self._start(r, row, self._prefill(part, row))
         t3 = clock()
         steps, batches = self._language(out, plan.t0)
         t4 = clock(sync=True)

@@ -21,6 +21,7 @@ from oxygen_ros.robot.params import (
     GROUP_PARAMS,
     PARAMS,
     StartError,
+    Values,
     coerce,
     identifier,
     is_limit,
@@ -62,7 +63,7 @@ class Group:
 class Config:
     """Checked parameter values and the robot contract that follows from them."""
 
-    p: dict
+    p: Values
     groups: list[Group]
     profile: object
     cameras: dict[str, str]  # camera -> topic (a compressed camera's ends in /compressed)
@@ -88,15 +89,15 @@ class Config:
     def from_values(cls, values: dict) -> Config:
         """values: {name: value} for PARAMS, outputs.<group>.<key> for GROUP_PARAMS and
         joint_limits.<group>.<joint>.<key>; names left out take their defaults."""
-        p = {q.name: coerce(q.name, values.get(q.name), q) for q in PARAMS}
+        p = Values({q.name: coerce(q.name, values.get(q.name), q) for q in PARAMS})
         groups = []
-        for g in p['output_groups']:
+        for g in p.output_groups:
             if not identifier(g):
                 raise StartError(f'output group name {shown(g)} must be a plain identifier')
             q = {k.name: coerce(f'outputs.{g}.{k.name}', values.get(f'outputs.{g}.{k.name}'), k)
                  for k in GROUP_PARAMS}
             groups.append(Group(g, q['topic'], q['joints'], q['indices']))
-        why = prompt_problem(p['prompt'], p['max_prompt_chars'])
+        why = prompt_problem(p.prompt, p.max_prompt_chars)
         if why:
             raise StartError(f'parameter prompt: {why}')
         cfg = _contract(p, groups)
@@ -105,7 +106,7 @@ class Config:
         except ValueError as e:
             raise StartError(f'parameter {e}') from None
         if given:  # none given: no limits at all, and the start-up log says so
-            cfg.limits = JointLimits(cfg.profile.action_dim, given, p['limit_hold_margin'])
+            cfg.limits = JointLimits(cfg.profile.action_dim, given, p.limit_hold_margin)
         return cfg
 
     @property
@@ -117,7 +118,7 @@ class Config:
 
     @property
     def random_weights(self) -> bool:
-        return not self.p['checkpoint']
+        return not self.p.checkpoint
 
     def engine_settings(self) -> dict:
         d = {k: self.p[k] for k in ENGINE_KEYS}
@@ -131,12 +132,12 @@ class Config:
                      exact_state: bool = False) -> None:
         """The robot file against what the model (its checkpoint) states: camera slots by
         name, the action dims, and the state dims (exactly, for LeRobot checkpoints)."""
-        model = self.p['checkpoint'] or f'model {self.p["model"] or "small"!r}'
+        model = self.p.checkpoint or f'model {self.p.model or "small"!r}'
         unknown = sorted(set(self.slots.values()) - set(slots))
         if unknown:
             raise StartError(f'camera_slots {unknown} are not slots of {model}: '
                              f'{list(slots)}')
-        robot, prof = self.p['robot'], self.profile
+        robot, prof = self.p.robot, self.profile
         if prof.action_dim > action_dim:
             raise StartError(f'the {robot} profile needs {prof.action_dim}-d actions but '
                              f'{model} has {action_dim}')
@@ -157,7 +158,7 @@ class Config:
                 and value > self.sized_tokens:
             raise StartError(f'max_new_tokens may not exceed {self.sized_tokens} while '
                              f'configured: the KV cache was sized for {self.sized_tokens}')
-        if name == 'decode_k' and (value == 0) != (self.p['decode_k'] == 0):
+        if name == 'decode_k' and (value == 0) != (self.p.decode_k == 0):
             raise StartError('decode_k cannot switch between adaptive (0) and fixed while '
                              'running')
         if name == 'max_command_horizon':
@@ -171,13 +172,13 @@ class Config:
     def check_prompt(self, text: str) -> str | None:
         """Why `text` cannot be this robot's task prompt, or None: empty, too many characters,
         or (once configured) too many tokens for the model's prefix."""
-        why = prompt_problem(text, self.p['max_prompt_chars'])
+        why = prompt_problem(text, self.p.max_prompt_chars)
         if why or self.prompt_tokens is None:
             return why
         n = self.prompt_tokens(text)
         if n <= self.max_token_len:
             return None
-        if self.p['prompt_format'] == 'pi05':
+        if self.p.prompt_format == 'pi05':
             return (f'prompt of {n} tokens with the {self.profile.state_dim}-d state (each '
                     f'value at its longest) is over the model\'s max_token_len of '
                     f'{self.max_token_len}: the state would be cut off')
@@ -185,14 +186,14 @@ class Config:
                 f'{self.max_token_len}: it would be cut off')
 
     def assembler(self) -> Assembler:
-        cams, optional = self.p['cameras'], self.p['optional_cameras']
+        cams, optional = self.p.cameras, self.p.optional_cameras
         return Assembler(
             required=[c for c in cams if c not in optional]
             + [f'joints:{s}' for s in self.joint_topics],
             optional=optional,
             # Held samples may lie ahead of the clock by max_input_age (the Assembler's
             # default), not max_future_stamp, which judges a stamp as it arrives.
-            max_input_age=self.p['max_input_age'], max_skew=self.p['max_skew'],
+            max_input_age=self.p.max_input_age, max_skew=self.p.max_skew,
             # One frame per image of the main camera: joint states come faster and would
             # otherwise rerun the model on the same images.
             trigger=[next(c for c in cams if c not in optional)])
@@ -204,48 +205,48 @@ def _check_horizon(horizon: float, period: float) -> None:
                          f'({period:g} s): no action could ever be sent')
 
 
-def _contract(p: dict, groups: list[Group]) -> Config:
+def _contract(p: Values, groups: list[Group]) -> Config:
     try:
-        options = safe_yaml.load(p['profile_options']) if p['profile_options'] else {}
+        options = safe_yaml.load(p.profile_options) if p.profile_options else {}
     except ValueError as e:
         raise StartError(f'profile_options: {e}') from None
     if not isinstance(options, dict):
         raise StartError(f'profile_options must be a YAML mapping, got {shown(options)}')
-    if p['robot'] == 'identity':
-        options.setdefault('dim', len(p['joints']))
+    if p.robot == 'identity':
+        options.setdefault('dim', len(p.joints))
     try:
-        profile = make_profile(p['robot'], **options)
+        profile = make_profile(p.robot, **options)
     except (TypeError, ValueError) as e:
-        raise StartError(f'robot profile {p["robot"]!r}: {e}') from None
+        raise StartError(f'robot profile {p.robot!r}: {e}') from None
 
-    cams = p['cameras']
+    cams = p.cameras
     if not cams:
         raise StartError('cameras is empty: name at least one camera')
     if len(set(cams)) != len(cams):
         raise StartError(f'cameras lists a name twice: {cams}')
-    topics = p['camera_topics'] or [f'{c}/image_raw' for c in cams]
-    if len(topics) != len(cams) or len(p['camera_slots']) != len(cams):
+    topics = p.camera_topics or [f'{c}/image_raw' for c in cams]
+    if len(topics) != len(cams) or len(p.camera_slots) != len(cams):
         raise StartError(f'cameras ({len(cams)}), camera_topics ({len(topics)}) and '
-                         f'camera_slots ({len(p["camera_slots"])}) must have equal lengths')
-    if len(set(p['camera_slots'])) != len(cams):
-        raise StartError(f'camera_slots lists a slot twice: {p["camera_slots"]}')
-    topics, transports = _transports(cams, topics, p['camera_transports'])
-    unknown = sorted(set(p['optional_cameras']) - set(cams))
+                         f'camera_slots ({len(p.camera_slots)}) must have equal lengths')
+    if len(set(p.camera_slots)) != len(cams):
+        raise StartError(f'camera_slots lists a slot twice: {p.camera_slots}')
+    topics, transports = _transports(cams, topics, p.camera_transports)
+    unknown = sorted(set(p.optional_cameras) - set(cams))
     if unknown:
         raise StartError(f'optional_cameras names unknown cameras {unknown}; cameras: {cams}')
-    if set(p['optional_cameras']) == set(cams):
+    if set(p.optional_cameras) == set(cams):
         raise StartError('every camera is optional: at least one must be required')
 
-    jt = p['joint_topics']
+    jt = p.joint_topics
     if not jt:
         raise StartError('joint_topics is empty')
-    sources = p['joint_sources'] or ([''] if len(jt) == 1 else [])
+    sources = p.joint_sources or ([''] if len(jt) == 1 else [])
     if len(sources) != len(jt):
         raise StartError(f'joint_sources must name each of the {len(jt)} joint_topics, '
                          f'got {sources}')
     joint_topics = dict(zip(sources, jt, strict=True))
     labels = []
-    for label in p['joints']:
+    for label in p.joints:
         if len(sources) == 1 and not label.startswith(sources[0] + '/'):
             src, name = sources[0], label
         else:
@@ -258,7 +259,7 @@ def _contract(p: dict, groups: list[Group]) -> Config:
     except ValueError as e:
         raise StartError(f'joints: {e}') from None
     if len(joint_map) != profile.state_dim:
-        raise StartError(f'{len(joint_map)} joints listed but the {p["robot"]} profile '
+        raise StartError(f'{len(joint_map)} joints listed but the {p.robot} profile '
                          f'takes a {profile.state_dim}-d state')
     wanted = {s: {n for src, n in labels if src == s} for s in sources}
 
@@ -274,7 +275,7 @@ def _contract(p: dict, groups: list[Group]) -> Config:
         bad = [i for i in g.indices if not 0 <= i < profile.action_dim]
         if bad:
             raise StartError(f'outputs.{g.name}.indices {bad} outside the '
-                             f'{profile.action_dim}-d action of {p["robot"]}')
+                             f'{profile.action_dim}-d action of {p.robot}')
         for key, items in (('indices', g.indices), ('joints', g.joints)):
             twice = ', '.join(str(x) for x in sorted({x for x in items if items.count(x) > 1}))
             if twice:
@@ -294,10 +295,10 @@ def _contract(p: dict, groups: list[Group]) -> Config:
             # joint is read from the same source (e.g. ALOHA's `gripper` from follower_left).
             src = labels[i][0] if i < len(labels) else sources[0]
             hold_sources[i] = (src, joint)
-    period = 1.0 / (p['action_rate_hz'] or p['control_rate_hz'])
-    _check_horizon(p['max_command_horizon'], period)
+    period = 1.0 / (p.action_rate_hz or p.control_rate_hz)
+    _check_horizon(p.max_command_horizon, period)
     return Config(p, groups, profile, dict(zip(cams, topics, strict=True)),
-                  dict(zip(cams, p['camera_slots'], strict=True)), joint_topics, joint_map,
+                  dict(zip(cams, p.camera_slots, strict=True)), joint_topics, joint_map,
                   wanted, period, transports, hold_sources)
 
 

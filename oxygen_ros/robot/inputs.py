@@ -45,7 +45,7 @@ class Inputs:
         self.reporter = reporter
         self.now = now
         self.assembler = cfg.assembler()
-        caps = cfg.p['max_image_pixels'], cfg.p['max_image_bytes']
+        caps = cfg.p.max_image_pixels, cfg.p.max_image_bytes
         self.decoders = {cam: Camera('auto', *caps) for cam, t in cfg.transports.items()
                          if t == 'compressed'}
         # Each source's state joints, and the controllers' joints for a hold at measured
@@ -72,7 +72,7 @@ class Inputs:
             # Some drivers leave the stamp at zero; the arrival time is the best guess then.
             return now
         ahead = t - now
-        limit = self.cfg.p['max_future_stamp']
+        limit = self.cfg.p.max_future_stamp
         if ahead > limit:
             self.reporter.report(f'future:{what}', f'{what}: stamp {ahead * 1e3:.0f} ms in the '
                                  f'future (limit {limit * 1e3:.0f} ms); message dropped: the '
@@ -82,7 +82,7 @@ class Inputs:
 
     def image(self, cam: str, msg) -> None:
         """A sensor_msgs/Image of camera `cam`: held as it is (converted for a frame)."""
-        why = image_problem(msg, self.cfg.p['max_image_pixels'], self.cfg.p['max_image_bytes'])
+        why = image_problem(msg, self.cfg.p.max_image_pixels, self.cfg.p.max_image_bytes)
         if why:
             self.dropped(cam, why)
             return
@@ -138,7 +138,7 @@ class Inputs:
             return
         self._rebase.discard(src)
         merged, oldest = readings.update(got, t)
-        limit = self.cfg.p['max_input_age']
+        limit = self.cfg.p.max_input_age
         if t - oldest > limit:
             self.reporter.report(f'joints:{src}:dropped', f'{topic}: joints '
                                  f'{", ".join(readings.gone(t, limit))} missing from its '
@@ -163,7 +163,7 @@ class Inputs:
             last = None if src in self._rebase else readings.last(joint)
             if last is not None and math.isfinite(speed):
                 dx, dt = abs(x - last[0]), abs(t - last[1])
-                if dx > speed * (dt + GLITCH_SLACK_S) * self.cfg.p['glitch_speed_factor']:
+                if dx > speed * (dt + GLITCH_SLACK_S) * self.cfg.p.glitch_speed_factor:
                     out.append(f'{joint} moved {dx:.4g} in {dt * 1e3:.0f} ms, faster than '
                                f'its {speed:.4g}/s')
         return out
@@ -217,8 +217,8 @@ class Inputs:
         out, stamps = np.full(dim, np.nan), np.full(dim, np.nan)
         now, p = self.now(), self.cfg.p
         for i, (src, joint) in self.cfg.hold_sources.items():
-            got = self.readings[src].fresh(joint, now, p['max_input_age'],
-                                           p['max_future_stamp'])
+            got = self.readings[src].fresh(joint, now, p.max_input_age,
+                                           p.max_future_stamp)
             if got is not None:
                 out[i], stamps[i] = got
         return out, stamps

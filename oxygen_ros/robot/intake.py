@@ -51,7 +51,7 @@ class Intake:
         self.latency = latency
         self.lock = lock  # the link's: guards the prompt and the narrate flag
         self.player = None
-        self.prompt = cfg.p['prompt']
+        self.prompt = cfg.p.prompt
         self.narrate_now = False
         self.frames = 0  # frames assembled, for narration_every_n_frames
         self.rtc_delay = 0
@@ -120,13 +120,13 @@ class Intake:
         for note in frame.notes:
             self.reporter.report(problem_key('mask', note), f'camera {note} (masked)')
         self.frames += 1
-        every = self.cfg.p['narration_every_n_frames']
+        every = self.cfg.p.narration_every_n_frames
         with self.lock:
             narrate = self.narrate_now or (every > 0 and self.frames % every == 1 % every)
             self.narrate_now = False
         # A stamp within max_future_stamp ahead must not shift the chunk into the future.
         stamp = min(frame.stamp, now)
-        handover = self.handover(stamp, state) if self.cfg.p['rtc'] else None
+        handover = self.handover(stamp, state) if self.cfg.p.rtc else None
         return Ready(obs, state, stamp, narrate, handover), 0.0
 
     def times(self):
@@ -166,7 +166,7 @@ class Intake:
     def replan_wait(self, now: float) -> float:
         """How long until replan_after lets the next frame start (0: now)."""
         chunk = self.player.chunk if self.player is not None else None
-        return max(0.0, replan_at(chunk, self.cfg.p['replan_after']) - now)
+        return max(0.0, replan_at(chunk, self.cfg.p.replan_after) - now)
 
     def handover(self, stamp: float, state: np.ndarray):
         """Where this frame's chunk joins the chunk being played (real-time chunking): its
@@ -180,7 +180,7 @@ class Intake:
         start = int(round((stamp - chunk.stamp) / chunk.period))
         if start < 0:
             return None
-        delay = self.cfg.p['rtc_delay']
+        delay = self.cfg.p.rtc_delay
         if not delay:
             recent = list(self.latency)[-10:]
             delay = math.ceil(max(recent) / chunk.period) if recent else 0
@@ -198,7 +198,7 @@ class Intake:
         robot may have been taken over by another node meanwhile, which this node hears only
         once DDS has rediscovered it, so it listens before commanding again."""
         since, self._stale_since = self._stale_since, None
-        check = self.cfg.p['commander_check']
+        check = self.cfg.p.commander_check
         if since is not None and check and time.monotonic() - since >= check:
             self.resume_at = time.monotonic() + check
 

@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass
 
 from oxygen_ros.engine import PROMPT_FORMATS
-from oxygen_ros.engine.scheduler import ADMISSION, MODES
+from oxygen_ros.engine.admission import ADMISSION
+from oxygen_ros.engine.scheduler import MODES
 from oxygen_ros.model.processing import CONVENTIONS
 from oxygen_ros.robot import safe_yaml
 from oxygen_ros.robot.images import MAX_BYTES, MAX_PIXELS
@@ -237,6 +238,25 @@ LIMIT_PARAM = Param('joint_limits.<group>.<joint>.<lower|upper|velocity|accelera
 
 
 BY_NAME = {p.name: p for p in PARAMS}
+
+
+class Values(dict):
+    """Checked values of PARAMS, read by name as attributes (`cfg.p.control_rate_hz`): a
+    misspelt name is an AttributeError where it is read, never a silent default. Dotted
+    names (outputs.<group>.*, joint_limits.*) and names held in variables are read as keys."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f'no parameter {name!r}') from None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self:
+            raise AttributeError(f'no parameter {name!r}')
+        self[name] = value
 
 
 # A robot of a fleet: <robot>.namespace, <robot>.robot_file, and any parameter of ROBOT_KEYS

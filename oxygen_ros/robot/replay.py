@@ -160,7 +160,7 @@ def make_engine(cfg: Config, threads: int | None = None):
                          engine.conventions == 'lerobot')
     except StartError as e:
         raise ReplayError(str(e)) from None
-    why = cfg.check_prompt(cfg.p['prompt'])
+    why = cfg.check_prompt(cfg.p.prompt)
     if why:
         raise ReplayError(f'parameter prompt: {why}')
     return engine
@@ -266,9 +266,9 @@ class Replay:
     def __init__(self, cfg: Config, engine, run: Run, say=print):
         self.cfg, self.engine, self.run = cfg, engine, run
         self.clock = 0.0
-        self.reporter = Reporter(say, cfg.p['report_period'], clock=lambda: self.clock)
+        self.reporter = Reporter(say, cfg.p.report_period, clock=lambda: self.clock)
         self.inputs = Inputs(cfg, self.reporter, lambda: self.clock)
-        self.prompt = cfg.p['prompt']
+        self.prompt = cfg.p.prompt
         names = cfg.output_names
         self.idx = list(names)
         self.names = list(names.values())
@@ -629,17 +629,17 @@ class Episode:
         for cam in cfg.cameras:
             name = next((n for n in (cam, CAMERAS.get(cam)) if n in have), None)
             if name is None:
-                if cam in cfg.p['optional_cameras']:
+                if cam in cfg.p.optional_cameras:
                     continue
                 raise ReplayError(f'{path}: no images of camera {cam} (/observations/images/'
                                   f'{cam}); the episode has {have or "no images"}')
             self.images[cam] = f[f'observations/images/{name}']
-        self.aloha = cfg.p['robot'] == 'aloha'
+        self.aloha = cfg.p.robot == 'aloha'
         n = self.qpos.shape[1] if self.qpos.ndim == 2 else -1
         want = 14 if self.aloha else cfg.profile.state_dim
         if n != want:
             raise ReplayError(f'{path}: /observations/qpos has {n} columns, the '
-                              f'{cfg.p["robot"]} robot file {want}')
+                              f'{cfg.p.robot} robot file {want}')
 
     @property
     def seconds(self) -> float:
@@ -826,7 +826,7 @@ def reference_for(run: Run, rep: Replay, against: str, targets: np.ndarray | Non
     if not any(series):
         raise ReplayError(f'{run.path}: no measured positions of the output joints '
                           f'{rep.names} in the recording')
-    return Reference.from_series(series, rep.cfg.p['max_input_age']), against
+    return Reference.from_series(series, rep.cfg.p.max_input_age), against
 
 
 # -- replaying --------------------------------------------------------------------------------
@@ -963,9 +963,9 @@ def report(runs: list[Run], cfg: Config, max_shift: float, wall_s: float,
             **({'live': live_summary(r)} if r.mode == 'live' else {}),
             'notes': r.notes,
         } for r, c in zip(runs, per, strict=True)],
-        'robot': cfg.p['robot'], 'model': cfg.p['model'] or 'small',
-        'checkpoint': cfg.p['checkpoint'] or None, 'seed': cfg.p['seed'],
-        'frame_noise': cfg.p['frame_noise'], 'params_files': params,
+        'robot': cfg.p.robot, 'model': cfg.p.model or 'small',
+        'checkpoint': cfg.p.checkpoint or None, 'seed': cfg.p.seed,
+        'frame_noise': cfg.p.frame_noise, 'params_files': params,
         'joints': names, 'period_s': period,
         'against': sorted({r.against for r in runs if r.against}),
         **pooled,
@@ -1229,7 +1229,7 @@ def _main(args) -> int:
                    resolve(args.predicted_topic, args.namespace) if args.predicted_topic
                    else '')
     notes = []
-    if cfg.p['rtc']:
+    if cfg.p.rtc:
         notes.append('the parameters set rtc: the live chunks were guided by the chunk being '
                      'played; replayed chunks are not')
     runs = []

@@ -52,7 +52,7 @@ class Control:
         self._tick_failures = 0
         # Clock jumps: rcl reports those of simulated time; the system clock's are found by
         # comparing it with the monotonic clock every tick.
-        forward = self.link.cfg.p['max_input_age']
+        forward = self.link.cfg.p.max_input_age
         self._jumps = None if sim_time else JumpWatch(forward)
         if sim_time:
             from rclpy.clock import JumpThreshold
@@ -69,7 +69,7 @@ class Control:
 
             self._tick_clock = self.link.now
             self._timer = self.link.node.create_timer(
-                1.0 / self.link.cfg.p['control_rate_hz'], self.tick,
+                1.0 / self.link.cfg.p.control_rate_hz, self.tick,
                 callback_group=MutuallyExclusiveCallbackGroup())
         else:
             self._tick_clock = time.monotonic
@@ -117,7 +117,7 @@ class Control:
         self.link.clock_jumped(jump.delta.nanoseconds * 1e-9, what)
 
     def _control(self, stop: threading.Event):
-        period = 1.0 / self.link.cfg.p['control_rate_hz']
+        period = 1.0 / self.link.cfg.p.control_rate_hz
         deadline = time.monotonic()
         while not stop.is_set() and self.link.node.context.ok():
             deadline += period
@@ -163,7 +163,7 @@ class Control:
         t0, times, pos = sent
         dt = time.monotonic() - t0
         at = np.array([np.interp(dt, times, pos[:, i]) for i in range(pos.shape[1])])
-        self._publish(Command(np.array([1.0 / self.link.cfg.p['control_rate_hz']]), at[None],
+        self._publish(Command(np.array([1.0 / self.link.cfg.p.control_rate_hz]), at[None],
                               np.zeros((1, len(at))), hold=f'fault: {why}'))
 
     def _tick(self):
@@ -175,14 +175,14 @@ class Control:
                 self.link.clock_jumped(jump, 'system clock')
         self.link._take_joints()
         t = self._tick_clock()
-        period = 1.0 / self.link.cfg.p['control_rate_hz']
+        period = 1.0 / self.link.cfg.p.control_rate_hz
         self.link.stats.tick(t, period)
-        if not self.link.cfg.p['command']:
-            q, stamps = self.link._hold_at()
+        if not self.link.cfg.p.command:
+            q, stamps = self.link.inputs.hold_at()
             with self.link.lock:
                 self.link.shadow.measured(q, stamps)
         try:
-            cmd = self.link.player.tick(self.link.now(), self.link._measured, self.link._hold_at)
+            cmd = self.link.player.tick(self.link.now(), self.link.inputs.measured, self.link.inputs.hold_at)
         except ValueError as e:
             self.link.reporter.report(problem_key('playback', str(e)), f'playback failed: {e}')
             self.link.stop_commanding(f'playback failure: {e}')
@@ -211,7 +211,7 @@ class Control:
                 continue
             msg = messages.trajectory(g.joints, pos, cmd.velocities[:, g.indices], cmd.times)
             data = serialize_message(msg)
-            if self.link.cfg.p['command']:
+            if self.link.cfg.p.command:
                 self.link.others.sent(data)
                 self.link.traj_pubs[g.name].publish(data)
             else:

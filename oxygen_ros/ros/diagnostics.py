@@ -6,6 +6,8 @@ import traceback
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
+from oxygen_ros.robot.stats import counts, shadow_summary, status
+
 
 class Diagnostics:
     """``node``: the OxygenNode (its engine, robot links and fault)."""
@@ -20,9 +22,9 @@ class Diagnostics:
         s = dict(self.node.engine.stats())
         if self.node.fleet:
             s.update(self.node.engine.robot_stats(link.name))
-        s.update(link.summary(self.node.engine.action_horizon))
+        s.update(robot_summary(link, self.node.engine.action_horizon))
         s.update(link.asks.stats())
-        s.update(link.counts())
+        s.update(counts(link.reporter, link.errors))
         return s
 
     def publish(self):
@@ -44,18 +46,34 @@ class Diagnostics:
         s = self.summary(link)
         st = DiagnosticStatus()
         st.name = f'{self.node.get_name()}: ' + (link.name if self.node.fleet else 'inference')
-        st.hardware_id = self.node.cfg.p['device']
+        st.hardware_id = self.node.cfg.p.device
         with link.lock:
             active = link.active
-        level, st.message = link.status(s)
+        level, st.message = status(s, active=active, command=link.cfg.p.command,
+                                   rate_hz=link.cfg.p.control_rate_hz, faulted=link.faulted,
+                                   faulted_at=link.faulted_at, yielded=link.yielded,
+                                   hold_reason=link.stats.hold_reason)
         if self.node.fault:
             level, st.message = 'ERROR', f'fault: {self.node.fault}'
         st.level = getattr(DiagnosticStatus, level)
         st.values = [KeyValue(key='active', value=str(active))]
         for k, v in s.items():
             st.values.append(KeyValue(key=k, value=f'{v:.3f}' if isinstance(v, float) else str(v)))
-        st.values.append(KeyValue(key='last_hold', value=link.hold_reason))
+        st.values.append(KeyValue(key='last_hold', value=link.stats.hold_reason))
         st.values.append(KeyValue(key='last_fault', value=self.node.fault or link.faulted))
         if link.reporter.recent:
             st.values.append(KeyValue(key='last_problem', value=link.reporter.recent[-1]))
         return st
+
+
+def robot_summary(link, action_horizon: int) -> dict:
+    """One robot's own figures for /diagnostics: its control loop, chunks and holds, and in
+    shadow mode how its prediction compares with the motion."""
+    cfg = link.cfg
+    link.stats.c['rtc_delay'] = link.intake.rtc_delay if link.intake else 0
+    s = link.stats.summary(cfg.p.control_rate_hz, 1e3 * cfg.action_period * action_horizon)
+    if not cfg.p.command:
+        with link.lock:
+            errors = link.shadow.errors()
+        s.update(shadow_summary(errors))
+    return s

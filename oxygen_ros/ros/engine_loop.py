@@ -57,7 +57,7 @@ class EngineLoop:
         from oxygen_ros.engine.fleet import EveryFrame, Planner
 
         e = self.node.engine
-        age = max(link.cfg.p['max_input_age'] for link in self.node.links)
+        age = max(link.cfg.p.max_input_age for link in self.node.links)
         if len(self.node.links) == 1:
             return EveryFrame(age)
         # Due with half a chunk to spare, as the engine's frame budget leaves half a chunk
@@ -107,7 +107,7 @@ class EngineLoop:
             wait = planner.look if plan.take else plan.wait
             return max(wait, FAULT_WAIT_S) if faulted else wait
         inputs = {n: RobotInput(r.obs, narrate=r.narrate,
-                                max_new_tokens=self.node.cfg.p['max_new_tokens'],
+                                max_new_tokens=self.node.cfg.p.max_new_tokens,
                                 handover=r.handover)
                   for n, r in ready.items()}
         try:
@@ -203,7 +203,7 @@ def start_engine(cfg, links, fleet: bool):
         try:
             link.cfg.check_engine(e.slots, e.action_dim, e.state_dim,
                                   e.conventions == 'lerobot')
-            why = link.cfg.check_prompt(link.cfg.p['prompt'])
+            why = link.cfg.check_prompt(link.cfg.p.prompt)
             if why:
                 raise StartError(f'parameter prompt: {why}')
         except StartError as err:
@@ -218,9 +218,9 @@ def start_engine(cfg, links, fleet: bool):
 def describe_weights(cfg, e) -> str:
     """What the engine runs, for the start-up log."""
     if cfg.random_weights:
-        return (f'model {cfg.p["model"] or "small"} with RANDOM weights (seed '
-                f'{cfg.p["seed"]}, no checkpoint): not a trained policy')
+        return (f'model {cfg.p.model or "small"} with RANDOM weights (seed '
+                f'{cfg.p.seed}, no checkpoint): not a trained policy')
     w = e.weights
-    return (f'{w["layout"]} checkpoint {cfg.p["checkpoint"]} ({e.conventions} conventions, '
+    return (f'{w["layout"]} checkpoint {cfg.p.checkpoint} ({e.conventions} conventions, '
             f'normalisation {w["normalization"] or "off"}; tokenizer {e.tokenizer.source}, '
             f'{e.tokenizer_from})')

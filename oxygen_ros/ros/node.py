@@ -28,20 +28,18 @@ import signal
 import sys
 import threading
 import time
-import traceback
 
-from rcl_interfaces.msg import SetParametersResult
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 
 from oxygen_ros.engine.ask import Asks
-from oxygen_ros.engine.engine import LIVE as ENGINE_LIVE
 from oxygen_ros.robot.contract import Config
-from oxygen_ros.robot.params import BY_NAME, StartError
+from oxygen_ros.robot.params import StartError
 from oxygen_ros.robot.report import Reporter
-from oxygen_ros.ros import node_params
+from oxygen_ros.ros import node_params, watchdog
 from oxygen_ros.ros.ask_server import AskServer, AskServers, RobotAsks
 from oxygen_ros.ros.diagnostics import Diagnostics
 from oxygen_ros.ros.engine_loop import EngineLoop, describe_weights, start_engine
+from oxygen_ros.ros.live_params import LiveParams
 from oxygen_ros.ros.robot_link import RobotLink
 
 __all__ = ['OxygenNode', 'main']
@@ -94,83 +92,7 @@ class OxygenNode(LifecycleNode):
             self.links = [RobotLink(self, self.cfg, reporter=self.reporter)]
             self.links[0].asks = self.asks
         self.by_name = {link.name: link for link in self.links}
-        self.add_on_set_parameters_callback(self._set_parameters)
-
-    # -- parameters ------------------------------------------------------------------------
-
-
-
-
-    def _set_parameters(self, params) -> SetParametersResult:
-        try:
-            return self._on_set_parameters(params)
-        except Exception as e:  # the node's own fault: nothing may be left half applied
-            self.fail(f'setting parameters {[p.name for p in params]} failed: '
-                      f'{type(e).__name__}: {e}', traceback.format_exc())
-            return SetParametersResult(successful=False, reason=f'internal error: {e}')
-
-    def _on_set_parameters(self, params) -> SetParametersResult:
-        checked = {}
-        for param in params:
-            robot, _, base = param.name.partition('.')
-            links = getattr(self, 'by_name', {})
-            if param.name in BY_NAME:
-                # A node parameter is every robot's: each robot's contract must take it (a
-                # horizon against its action period, a prompt against its state and limit).
-                name, only = param.name, None
-                cfgs = [(link.label(), link.cfg) for link in links.values()] if self.fleet \
-                    else [('', self.cfg)]
-            elif robot in self.fleet and robot in links:
-                name, only = base, links[robot]
-                cfgs = [('', only.cfg)]
-            else:
-                continue  # rclpy's own (use_sim_time), read-only ones, or before the links
-            for label, cfg in cfgs:
-                try:
-                    value = cfg.check_live(name, param.value)
-                except StartError as e:
-                    reason = f'{label}{e}'
-                    self.log.warning(f'parameter {param.name} not set: {reason}')
-                    return SetParametersResult(successful=False, reason=reason)
-            if name == 'command' and value:
-                why = self._may_command([only] if only is not None else links.values())
-                if why:
-                    self.log.warning(f'parameter {param.name} not set: {why}')
-                    return SetParametersResult(successful=False, reason=why)
-            checked[param.name] = (name, value, only)
-        for full, (name, value, only) in checked.items():
-            self._apply(name, value, only, full)
-        return SetParametersResult(successful=True)
-
-    def _may_command(self, links) -> str | None:
-        """Why shadow mode may not turn to commanding these robots now, or None. Inactive,
-        nothing is checked: activating listens for other commanders itself."""
-        if self.state != 'active':
-            return None
-        for link in links:
-            if link.cfg.p['command']:
-                continue
-            why = link.shadow_problem()
-            if why:
-                return f'{link.label()}not commanding: {why}'
-        return None
-
-    def _apply(self, name: str, value, only=None, full: str = ''):
-        """A live parameter, checked: each owner applies its part (the robots', the
-        engine's)."""
-        for link in (self.links if only is None else [only]):
-            link.apply(name, value)
-        if only is None:
-            self.cfg.p[name] = value  # a single robot's Config is the node's: set by now
-            if name == 'report_period':
-                self.reporter.period = value
-            if self.engine is not None and name in ENGINE_LIVE:
-                self.engine.apply(name, value)
-        if name == 'command':
-            self.log.info(f'parameter {full or name} = {value!r}: '
-                          + ('commanding' if value else 'shadow mode, not commanding'))
-        else:
-            self.log.info(f'parameter {full or name} = {value!r}')
+        self.add_on_set_parameters_callback(LiveParams(self))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -193,8 +115,8 @@ class OxygenNode(LifecycleNode):
     def on_activate(self, state) -> TransitionCallbackReturn:
         cfg = self.cfg
         for link in self.links:
-            kind = link.cfg.p['robot']
-            if cfg.random_weights and kind != 'identity' and not cfg.p['allow_random_weights']:
+            kind = link.cfg.p.robot
+            if cfg.random_weights and kind != 'identity' and not cfg.p.allow_random_weights:
                 msg = (f'refusing to activate: the {link.label()}{kind} robot would be driven '
                        'by RANDOM weights (no checkpoint). Set checkpoint, or '
                        'allow_random_weights: true for timing and simulation')
@@ -215,8 +137,8 @@ class OxygenNode(LifecycleNode):
         # listen for what it sends before taking the robot.
         for link in self.links:
             # A robot in shadow mode is another's to command (an operator's, say).
-            check = cfg.p['commander_check']
-            other = link.cfg.p['command'] and link.commanders(
+            check = cfg.p.commander_check
+            other = link.cfg.p.command and link.commanders(
                 listen=check, blind=check - (time.monotonic() - self._born))
             if other:
                 msg = f'refusing to activate: {link.label()}{other}'
@@ -231,7 +153,7 @@ class OxygenNode(LifecycleNode):
         for link in self.links:
             link.asks.activate(RobotAsks(self.engine, link.name) if self.fleet else self.engine)
         self.log.info('active: ' + '; '.join(
-            ('commanding ' if link.cfg.p['command'] else 'shadow mode, not commanding ')
+            ('commanding ' if link.cfg.p.command else 'shadow mode, not commanding ')
             + ', '.join(link.topics()) for link in self.links))
         return SUCCESS
 
@@ -262,13 +184,13 @@ class OxygenNode(LifecycleNode):
 
     def _configure(self):
         cfg = self.cfg
-        self.reporter.period = cfg.p['report_period']
+        self.reporter.period = cfg.p.report_period
         self.engine = e = start_engine(cfg, self.links, bool(self.fleet))
         self._setup_ros()
         self.log.info(f'configured: {describe_weights(cfg, e)}; chunks of {e.action_horizon} x '
                       f'{e.action_dim} in {e.denoise_steps} steps; cameras -> slots '
-                      f'{cfg.slots}; {cfg.p["robot"]} robot; activate to command it')
-        if e.n_action_steps < e.action_horizon and not cfg.p['play_steps']:
+                      f'{cfg.slots}; {cfg.p.robot} robot; activate to command it')
+        if e.n_action_steps < e.action_horizon and not cfg.p.play_steps:
             self.log.info(f'the checkpoint plays {e.n_action_steps} of its {e.action_horizon} '
                           f'actions per chunk (n_action_steps); play_steps: '
                           f'{e.n_action_steps} does the same here')
@@ -335,15 +257,15 @@ class OxygenNode(LifecycleNode):
             link.configure()
         self.diagnostics = Diagnostics(self)
         self._ros = [self.diagnostics.pub,
-                     self.create_timer(1.0 / cfg.p['diagnostics_rate_hz'],
+                     self.create_timer(1.0 / cfg.p.diagnostics_rate_hz,
                                        self.diagnostics.publish),
-                     self.create_timer(WATCH_S, self._watch,
+                     self.create_timer(WATCH_S, lambda: watchdog.watch(self),
                                        clock=Clock(clock_type=ClockType.STEADY_TIME))]
         for link in self.links:
             link.on_fatal = self.fail
         for link in self.links:
-            link.asks.max_open = cfg.p['max_open_questions']
-            link.asks.timeout = cfg.p['question_timeout']
+            link.asks.max_open = cfg.p.max_open_questions
+            link.asks.timeout = cfg.p.question_timeout
             link.asks.deactivate('configured, not yet activated')
         if self.fleet:
             self.ask_server = AskServers([AskServer(self, link.asks, f'~/{link.name}/ask')
@@ -362,12 +284,6 @@ class OxygenNode(LifecycleNode):
             link.control.start(sim)
         self._threads = [EngineLoop(self).start(self._stop)]
 
-
-
-
-
-
-
     # -- faults ----------------------------------------------------------------------------
 
     def fail(self, why: str, detail: str = ''):
@@ -382,44 +298,6 @@ class OxygenNode(LifecycleNode):
             self.log.error(f'fault: {why}; holding every robot and leaving commanding'
                            + (f'\n{detail}' if detail else ''))
 
-    def _watch(self):
-        """Steady-clock watchdog: a fault, or a thread that ended while active, takes the
-        node through ErrorProcessing (on_deactivate returns ERROR)."""
-        try:
-            if self.state == 'inactive':
-                for link in self.links:
-                    link.heard()  # so that what is heard has its time when activating
-            if self.state != 'active':
-                return
-            if self.fault is None:
-                dead = [t.name for t in self._threads if not t.is_alive()]
-                dead += [f'{link.label()}control' for link in self.links if link.control.dead()]
-                if dead:
-                    self.fail(f'the {", ".join(dead)} thread ended while active')
-            if self.fault is not None:
-                self.diagnostics.publish()  # the ERROR goes out before cleanup ends diagnostics
-                self.trigger_deactivate()
-                return
-            # Questions whose frame does not come (the inputs are stale) end, saying so.
-            for link in self.links:
-                if link.asks.open_count:
-                    link.asks.expire(time.monotonic(), link.waiting_for())
-            # Another node commanding a robot: this one gives way (link.give_way); with no
-            # robot left to command, the node deactivates.
-            for link in self.links:
-                if not link.cfg.p['command']:
-                    link.heard()  # shadow mode: the operator's; heard when it was sent
-                    continue
-                other = link.commanders()
-                if other:
-                    link.give_way(other)
-            if not any(link.active for link in self.links):
-                self.log.error('every robot is commanded by another node: deactivating')
-                self.trigger_deactivate()
-        except Exception as e:  # the watchdog itself must not end the executor
-            self.log.error(f'watchdog failed: {type(e).__name__}: {e}')
-
-    # -- diagnostics -----------------------------------------------------------------------
 
 
 
@@ -457,7 +335,7 @@ def main(args=None):
         node = OxygenNode(argv)
         executor = SingleThreadedExecutor()
         executor.add_node(node)
-        if node.cfg.p['autostart']:
+        if node.cfg.p.autostart:
             if node.trigger_configure() != SUCCESS or node.trigger_activate() != SUCCESS:
                 raise node.start_error
         else:

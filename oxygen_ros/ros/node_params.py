@@ -111,7 +111,7 @@ def read_robot(node, robot: str, values: dict) -> tuple[Config, str]:
                       "node's values stand (its robots share them)")
     cfg = robot_config(robot, values, file_values, own)
     if 'prompt' not in own:  # settable while running, as the node's prompt is
-        declare(node, f'{robot}.prompt', BY_NAME['prompt'], cfg.p['prompt'])
+        declare(node, f'{robot}.prompt', BY_NAME['prompt'], cfg.p.prompt)
     return cfg, own.get('namespace') or robot
 
 

@@ -28,7 +28,7 @@ from oxygen_ros.robot.inputs import Inputs, problem_key
 from oxygen_ros.robot.intake import Intake, Ready
 from oxygen_ros.robot.playback import Player
 from oxygen_ros.robot.report import Reporter
-from oxygen_ros.robot.stats import RobotStats, counts, shadow_summary, status
+from oxygen_ros.robot.stats import RobotStats
 from oxygen_ros.ros import messages
 from oxygen_ros.ros.control import Control
 from oxygen_ros.ros.robot_topics import create_topics
@@ -53,16 +53,16 @@ class RobotLink:
             # In a fleet every problem says whose it is.
             reporter = Reporter(lambda m: self.log.warning(self.label() + m))
         self.reporter = reporter
-        self.reporter.period = cfg.p['report_period']
+        self.reporter.period = cfg.p.report_period
         # The node's own failures, said at ERROR (rate-limited like the problems).
         self.errors = Reporter(lambda m: self.log.error(self.label() + m),
-                               cfg.p['report_period'])
+                               cfg.p.report_period)
         self.lock = threading.Lock()
         self._intake = threading.Lock()  # joint states are taken by one thread at a time
         self.active = False  # chunks from the engine are played only while True
         self.on_fatal = None  # (why, detail): the node cannot hold this robot any more
         self.faulted = ''  # the last fault of the node's own code, for diagnostics
-        self._faulted_at = -math.inf
+        self.faulted_at = -math.inf
         self.yielded = ''  # why this robot left commanding to another node
         self._ros: list = []
         self.player = None
@@ -78,9 +78,9 @@ class RobotLink:
     def configure(self):
         """Create the player, the readings and the robot's topics (the engine is checked)."""
         cfg = self.cfg
-        self.player = Player(cfg.p['max_command_horizon'], cfg.p['play_steps'],
-                             hold_after=1.0 / cfg.p['control_rate_hz'], limits=cfg.limits,
-                             open_loop=cfg.p['open_loop_control'])
+        self.player = Player(cfg.p.max_command_horizon, cfg.p.play_steps,
+                             hold_after=1.0 / cfg.p.control_rate_hz, limits=cfg.limits,
+                             open_loop=cfg.p.open_loop_control)
         self.inputs = Inputs(cfg, self.reporter, self.now)
         self.intake = Intake(cfg, self.inputs, self.reporter, self.now, self.stop_commanding,
                              self._take_joints, self.stats.latency, self.lock)
@@ -122,7 +122,7 @@ class RobotLink:
         holds, the log says so at ERROR, and its diagnostics show ERROR for FAULT_SHOWN_S."""
         self.stats.add('faults')
         self.faulted = why
-        self._faulted_at = time.monotonic()
+        self.faulted_at = time.monotonic()
         said = self.errors.report(problem_key('fault', why), f'{why}; holding')
         if said and detail:
             self.log.error(detail)
@@ -156,7 +156,7 @@ class RobotLink:
         with self.control._tick_lock:
             with self.lock:
                 self.shadow.clear()
-                self.cfg.p['command'] = on
+                self.cfg.p.command = on
             if self.player is not None:
                 if on:
                     self.player.drop()
@@ -166,7 +166,7 @@ class RobotLink:
     def apply(self, name: str, value):
         """A live parameter of this robot, already checked (Config.check_live)."""
         if name == 'command':
-            if self.cfg.p['command'] != value:
+            if self.cfg.p.command != value:
                 self.set_command(value)
             return
         with self.lock:
@@ -187,7 +187,7 @@ class RobotLink:
         if other:
             return other
         with self.lock:
-            return self.shadow.disagreement(self.cfg.p['shadow_margin'])
+            return self.shadow.disagreement(self.cfg.p.shadow_margin)
 
     def stop_commanding(self, why: str):
         if self.player is not None:
@@ -262,7 +262,7 @@ class RobotLink:
 
     def commanding(self) -> bool:
         """Whether this link sent a command (not a hold) within max_command_horizon."""
-        return self.stats.commanding(self.cfg.p['max_command_horizon'])
+        return self.stats.commanding(self.cfg.p.max_command_horizon)
 
     def give_way(self, why: str) -> bool:
         """Leave commanding to the other node. A robot this link was commanding gets one
@@ -298,11 +298,11 @@ class RobotLink:
         with self.lock:
             if self.active and not listening:
                 self.player.play(chunk)
-            if not self.cfg.p['command']:
+            if not self.cfg.p.command:
                 self.shadow.chunk(chunk)
         if listening:
             self.reporter.report('commanders:listening', 'inputs are back after '
-                                 f'{self.cfg.p["commander_check"]:g} s or more: listening '
+                                 f'{self.cfg.p.commander_check:g} s or more: listening '
                                  'for another commander on '
                                  f'{", ".join(self.topics())} before commanding again')
         self.stats.chunk(self.now() - stamp)
@@ -335,42 +335,3 @@ class RobotLink:
         with self._intake:
             for sub in self._joint_subs:
                 take(sub, self._input_failed)
-
-    def _measured(self) -> np.ndarray | None:
-        return self.inputs.measured()
-
-    def _hold_at(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.inputs.hold_at()
-
-    # -- diagnostics -----------------------------------------------------------------------
-
-    # -- diagnostics -----------------------------------------------------------------------
-
-    @property
-    def hold_reason(self) -> str:
-        return self.stats.hold_reason
-
-    def summary(self, action_horizon: int) -> dict:
-        """This robot's part of /diagnostics, as plain numbers."""
-        cfg = self.cfg
-        self.stats.c['rtc_delay'] = self.intake.rtc_delay if self.intake else 0
-        s = self.stats.summary(cfg.p['control_rate_hz'],
-                               1e3 * cfg.action_period * action_horizon)
-        if not cfg.p['command']:
-            with self.lock:
-                errors = self.shadow.errors()
-            s.update(shadow_summary(errors))
-        return s
-
-    def counts(self) -> dict:
-        """The problems this robot's reporter counted, for /diagnostics."""
-        return counts(self.reporter, self.errors)
-
-    def status(self, s: dict) -> tuple[str, str]:
-        """(level, message) for this robot's DiagnosticStatus, from its summary ``s``."""
-        with self.lock:
-            active = self.active
-        return status(s, active=active, command=self.cfg.p['command'],
-                      rate_hz=self.cfg.p['control_rate_hz'], faulted=self.faulted,
-                      faulted_at=self._faulted_at, yielded=self.yielded,
-                      hold_reason=self.hold_reason)

@@ -31,14 +31,14 @@ def create_topics(link):
     # only the newest of each camera is; one that does not decode is dropped there.
     link.image_subs = [
         sub(CompressedImage, join(pre, topic), lambda m, c=cam: link.inputs.compressed(c, m),
-            qos(cfg.p['image_qos'], 1), callback_group=polled)
+            qos(cfg.p.image_qos, 1), callback_group=polled)
         if cam in link.inputs.decoders else
         sub(Image, join(pre, topic), lambda m, c=cam: link.inputs.image(c, m),
-            qos(cfg.p['image_qos'], 1), callback_group=polled)
+            qos(cfg.p.image_qos, 1), callback_group=polled)
         for cam, topic in cfg.cameras.items()]
     link._joint_subs = [sub(JointState, join(pre, topic),
                             lambda m, s=src: link.inputs.joints(s, m),
-                            qos(cfg.p['joint_qos'], 50), callback_group=polled)
+                            qos(cfg.p.joint_qos, 50), callback_group=polled)
                         for src, topic in cfg.joint_topics.items()]
     link._ros = [*link.image_subs, *link._joint_subs,
                  sub(String, f'{priv}/prompt', link._on_prompt, 10),
@@ -50,7 +50,7 @@ def create_topics(link):
     # controller (stamp 0: start now) would replay a stale hold or chunk, and another
     # node would hear a commander that stopped long ago.
     commands = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE,
-                          lifespan=Duration(seconds=cfg.p['max_command_horizon']))
+                          lifespan=Duration(seconds=cfg.p.max_command_horizon))
     link.traj_pubs = {g.name: node.create_publisher(JointTrajectory, join(pre, g.topic),
                                                     commands)
                       for g in cfg.groups}
@@ -68,7 +68,7 @@ def create_topics(link):
     link.text_pub = node.create_publisher(String, f'{priv}/narration/text', deep)
     link.predicted_pub = (node.create_publisher(JointTrajectory,
                                                 f'{priv}/predicted_trajectory', reliable)
-                          if cfg.p['publish_predicted'] else None)
+                          if cfg.p.publish_predicted else None)
     # Shadow mode (command: false): the same trajectories, where no controller listens.
     link.shadow_pubs = {g.name: node.create_publisher(
         JointTrajectory, f'{priv}/shadow/{g.name}', reliable) for g in cfg.groups}
@@ -79,13 +79,13 @@ def create_topics(link):
                   *([link.predicted_pub] if link.predicted_pub else [])]
     name = node.resolve_topic_name
     link.log.info(
-        f'{link.label()}{cfg.p["robot"]} robot, model {cfg.p["model"]}: cameras '
+        f'{link.label()}{cfg.p.robot} robot, model {cfg.p.model}: cameras '
         + ', '.join(f'{c} <- {name(join(pre, t))}'
                     + (' (compressed)' if c in link.inputs.decoders else '')
                     for c, t in cfg.cameras.items())
         + '; joints <- ' + ', '.join(name(join(pre, t)) for t in cfg.joint_topics.values())
         + '; trajectories -> ' + ', '.join(name(join(pre, g.topic)) for g in cfg.groups)
-        + f'; control {cfg.p["control_rate_hz"]:g} Hz, actions every '
+        + f'; control {cfg.p.control_rate_hz:g} Hz, actions every '
         f'{cfg.action_period * 1e3:.1f} ms, commands reach at most '
-        f'{cfg.p["max_command_horizon"]:g} s ahead; '
+        f'{cfg.p.max_command_horizon:g} s ahead; '
         + describe_limits(cfg.limits, list(cfg.output_names.values())))

@@ -292,7 +292,7 @@ def test_hdf5_episodes_report_the_error_an_independent_computation_gives(aloha_p
                                   replay.make_engine(cfg, threads=1), 10.0, 'auto',
                                   progress=False, say=lambda m: None) for k in range(2)]
     # Independently: the engine on the file's arrays, the profile's targets, /action.
-    engine = Engine(EngineConfig(model=cfg.p['model'], seed=3, frame_noise=True, threads=1,
+    engine = Engine(EngineConfig(model=cfg.p.model, seed=3, frame_noise=True, threads=1,
                                  prompt_format='subtask', max_new_tokens=30))
     profile = cfg.profile
     horizon = engine.action_horizon

@@ -243,6 +243,19 @@ def test_copied_output_groups_are_refused_but_a_joint_name_may_repeat():
     assert [g.joints for g in c.groups] == [LEFT, LEFT]
 
 
+def test_parameters_are_read_by_name_and_a_misspelt_one_is_an_error():
+    c = Config.from_values({**DROID, 'max_new_tokens': 20})
+    assert c.p.max_new_tokens == c.p['max_new_tokens'] == 20
+    assert c.p.control_rate_hz == BY_NAME['control_rate_hz'].default
+    with pytest.raises(AttributeError, match="no parameter 'max_new_token'"):
+        _ = c.p.max_new_token
+    with pytest.raises(AttributeError, match="no parameter 'contrl_rate_hz'"):
+        c.p.contrl_rate_hz = 50.0
+    assert 'contrl_rate_hz' not in c.p
+    c.p.max_new_tokens = 7
+    assert c.p['max_new_tokens'] == 7
+
+
 def test_live_parameters():
     c = Config.from_values({**DROID, 'max_new_tokens': 20})
     # Before configure no KV cache is sized: any valid budget may be set.
@@ -250,7 +263,7 @@ def test_live_parameters():
     c.sized_tokens = 20  # configured: the cache holds 20 tokens per request
     assert c.check_live('temperature', 1) == 1.0
     assert c.check_live('max_new_tokens', 10) == 10
-    c.p['max_new_tokens'] = 10
+    c.p.max_new_tokens = 10
     assert c.check_live('max_new_tokens', 20) == 20  # lowered, it may go back up to 20
     assert c.check_live('play_steps', 3) == 3
     for name, value, message in [
@@ -300,7 +313,7 @@ def test_a_prompt_whose_tokens_would_cut_off_the_state_is_refused():
     assert kept(tasks[limit]) == action_prompt(tasks[limit], np.ones(8))
     assert not kept(tasks[limit + 1]).endswith(';\nAction: ')  # what was refused
     # The subtask format has no state: only its own tokens count.
-    c.p['prompt_format'] = 'subtask'
+    c.p.prompt_format = 'subtask'
     c.prompt_tokens = functools.partial(prompt_tokens, tok, state_dim=8,
                                         prompt_format='subtask')
     n = len(tok.encode(subtask_prompt(tasks[limit + 1])))

@@ -144,9 +144,9 @@ def run(name, seconds=12.0, seed=0):
             limit[k][i] = v
         if 'lower' in lim:
             lo[i], hi[i] = lim['lower'], lim['upper']
-    rate = cfg.p['control_rate_hz']
+    rate = cfg.p.control_rate_hz
     period = cfg.action_period
-    player = Player(cfg.p['max_command_horizon'], hold_after=1.0 / rate, limits=cfg.limits)
+    player = Player(cfg.p.max_command_horizon, hold_after=1.0 / rate, limits=cfg.limits)
     rng = np.random.default_rng(seed)
     q = rng.uniform(lo + 0.3 * (hi - lo), hi - 0.3 * (hi - lo))
     ctl = Controller(q)
