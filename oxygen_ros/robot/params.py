@@ -156,6 +156,9 @@ PARAMS = (
           choices=ADMISSION),
     Param('temperature', 0.0, 'narration sampling temperature; 0 = greedy', low=0.0,
           live=True),
+    Param('stop_at_eos', True, "a request ends at the tokenizer's end of text; false: every "
+          'one decodes its whole budget (max_new_tokens) whatever it says, a fixed language '
+          'load for measurements'),
     Param('seed', 0, 'random seed (weights when no checkpoint, noise, sampling)', low=0),
     Param('frame_noise', False, "each frame's flow-matching noise from (seed, robot, the "
           "frame's stamp) instead of one random stream: a recording of the robot's inputs "
@@ -285,8 +288,8 @@ ROBOT_KEYS = ('command', 'shadow_margin', 'max_command_horizon', 'play_steps',
 
 ENGINE_KEYS = ('model', 'checkpoint', 'normalize', 'conventions', 'asset_id', 'tokenizer',
                'device', 'threads', 'denoise_steps', 'mode', 'decode_k', 'frame_budget_ms',
-               'max_requests', 'max_new_tokens', 'admission', 'temperature', 'seed',
-               'frame_noise',
+               'max_requests', 'max_new_tokens', 'admission', 'temperature', 'stop_at_eos',
+               'seed', 'frame_noise',
                'prompt_format', 'compile', 'graphs', 'rtc', 'rtc_beta',
                'max_question_tokens')
 
