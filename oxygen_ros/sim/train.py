@@ -362,6 +362,8 @@ class Trainer:
         self.step = 0
         self.log: list[dict] = []
         self.init: dict | None = None  # the checkpoint a fine-tuning run started from
+        # Where --start-from went on from an export: [{step, the schedule's steps then}].
+        self.went_on: list[dict] = []
 
     # -- schedule ---------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -437,6 +439,7 @@ class Trainer:
         tmp.replace(self.out / 'state.safetensors')
         (self.out / 'state.json').write_text(json.dumps(
             {'step': self.step, 'recipe': self.recipe.__dict__, 'init_from': self.init,
+             'went_on_from': self.went_on,
              'train_files': [f'{p.parent.name}/{p.name}' for p in self.train.files],
              'val_files': [f'{p.parent.name}/{p.name}' for p in self.val.files]}, indent=1))
         self.export(self.out / 'checkpoint')
@@ -450,6 +453,7 @@ class Trainer:
             raise ValueError(f'{path} was trained with another recipe: '
                              f'{saved["recipe"]} (now {self.recipe.__dict__})')
         self.init = saved.get('init_from')
+        self.went_on = saved.get('went_on_from', [])
         t = load_file(str(path))
         params = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -524,6 +528,11 @@ class Trainer:
         model, _, _ = load_checkpoint(checkpoint, self.cfg)
         self._take_weights(model)
         self.step = int(trained['step'])
+        # The lineage goes on with the run: what it was fine-tuned from, and where its
+        # schedule was lengthened.
+        self.init = trained.get('init_from')
+        self.went_on = [*trained.get('went_on_from', []),
+                        {'step': self.step, 'schedule_steps': trained['recipe'].get('steps')}]
         self.g.manual_seed(self.recipe.seed * 1_000_003 + self.step)
         log = Path(checkpoint) / 'training_log.jsonl'
         if log.is_file():  # the curve so far goes on in this run's log
@@ -542,7 +551,7 @@ class Trainer:
                             'seeds': self.train.seeds,
                             'prompt': self.train.prompt, 'cameras': self.recipe.cameras,
                             'profile_options': self.recipe.profile_options,
-                            'init_from': self.init}
+                            'init_from': self.init, 'went_on_from': self.went_on}
         (root / 'config.json').write_text(json.dumps(meta, indent=2))
         # The learning curve travels with the weights (a run may go on elsewhere from them).
         (root / 'training_log.jsonl').write_text(''.join(json.dumps(e) + '\n'

@@ -329,6 +329,10 @@ def test_a_resumed_run_is_the_run_uninterrupted(episodes, tmp_path):
     assert train.main(common + ['--out', str(longer), '--start-from', str(at6),
                                 '--steps', '18']) == 0
     assert json.loads((longer / 'state.json').read_text())['step'] == 18
+    # The export says where its schedule was lengthened: at step 6 of the 12-step one.
+    trained = json.loads((longer / 'checkpoint' / 'config.json').read_text())['training']
+    assert trained['went_on_from'] == [{'step': 6, 'schedule_steps': 12}]
+    assert trained['recipe']['steps'] == 18
     assert train.main(common + ['--out', str(tmp_path / 'short'), '--start-from', str(at6),
                                 '--steps', '6']) == 2
 
