@@ -182,7 +182,8 @@ class Control:
             with self.link.lock:
                 self.link.shadow.measured(q, stamps)
         try:
-            cmd = self.link.player.tick(self.link.now(), self.link.inputs.measured, self.link.inputs.hold_at)
+            inputs = self.link.inputs
+            cmd = self.link.player.tick(self.link.now(), inputs.measured, inputs.hold_at)
         except ValueError as e:
             self.link.reporter.report(problem_key('playback', str(e)), f'playback failed: {e}')
             self.link.stop_commanding(f'playback failure: {e}')
