@@ -1,9 +1,9 @@
 #!/bin/bash
 # Remakes the shipped transfer-cube policy (models/aloha_sim_transfer_cube) from nothing:
-# the scripted demonstrations, then four stages of oxygen-train, each starting from the last
-# (docs/training.md says why each is there). About 2 hours on a 2-core CPU.
+# the scripted demonstrations, then the stages of oxygen-train, each starting from the last
+# (docs/training.md says why each is there). About 3 hours on a 2-core CPU.
 #   tools/train_policy.sh OUT      (after `source install/setup.bash`)
-# The policy is OUT/runD/checkpoint; each stage resumes if run again (--resume).
+# The policy is OUT/runE/checkpoint; each stage resumes if run again (--resume).
 set -euo pipefail
 out=${1:?usage: tools/train_policy.sh OUT}
 mkdir -p "$out"
@@ -31,4 +31,8 @@ train runC --data demosA demosB --recipe "$share/config/train_transfer_cube_crop
 # 3. The crop with the reach sampled more often, 4000 steps.
 train runD --data demosA demosB --recipe "$share/config/train_transfer_cube_crop.yaml" \
   --steps 4000 --init-from runC/checkpoint
-echo "the policy: $out/runD/checkpoint"
+# 4. The same, on from step 4000 to the end of a 10000-step schedule (the learning rate back
+#    up to 3.5e-4 and down to 5e-5 again; AdamW's moments afresh).
+train runE --data demosA demosB --recipe "$share/config/train_transfer_cube_crop.yaml" \
+  --steps 10000 --start-from runD/checkpoint
+echo "the policy: $out/runE/checkpoint"

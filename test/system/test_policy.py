@@ -88,14 +88,15 @@ def test_a_relative_checkpoint_narrates_and_answers_through_ros(tmp_path):
 
 # Fixed held-out seeds (training used 1000 and up) and floors set from the model card's
 # measured rates with margin (see each test).
-# Direct on seeds 0..9 the policy lifted the cube on 4 (seeds 0, 1, 3, 8; the model card):
-# the direct path is deterministic (seeded noise), the floor leaves room for another CPU's
-# rounding.
-DIRECT_SEEDS, DIRECT_LIFTS = 10, 2
+# Direct on seeds 0..9 the policy transferred the cube (reward 4) on 8 (all but 4 and 8; the
+# model card): the direct path is deterministic (seeded noise), the floor leaves room for
+# another CPU's rounding.
+DIRECT_SEEDS, DIRECT_SUCCESSES = 10, 5
 # Through ROS (replan_after 45; not deterministic: the frames fall where the node's timing
-# puts them) the policy's right gripper reached the cube on seeds 0 and 1 and lifted it on
-# seed 8 (seeds 0..19: lifts on 3, touches on 5): at least one of the three must reach it.
-ROS_SEEDS, ROS_TOUCHES = (0, 1, 8), 1
+# puts them) seed 0 succeeded in all six 50-seed runs of the model card and docs/simulation.md
+# (with and without narration), seed 1 in four, seed 2 in one: at least one of the three
+# must succeed.
+ROS_SEED, ROS_EPISODES, ROS_SUCCESSES = 0, 3, 1
 # The ALOHA robot file with the right arm's shoulder and elbow swapped in its joint list: each
 # reads the other's angle, and the delta actions are added to the wrong one.
 SWAPPED = """oxygen_node:
@@ -107,31 +108,31 @@ SWAPPED = """oxygen_node:
 """
 
 
-def test_it_lifts_the_cube_directly(tmp_path):
+def test_it_transfers_the_cube_directly(tmp_path):
     report, _ = evaluate(tmp_path, '--direct', '--seed', '0', '--episodes', str(DIRECT_SEEDS))
-    assert report['lifts'] >= DIRECT_LIFTS, report['lifts']
+    assert report['successes'] >= DIRECT_SUCCESSES, report['successes']
 
 
-def ros_run(tmp_path, seed, *args):
+def ros_run(tmp_path, *args):
     from support.process import new_domain
 
-    report, _ = evaluate(tmp_path / f'seed{seed}', '--seed', str(seed), '--episodes', '1',
+    report, _ = evaluate(tmp_path, '--seed', str(ROS_SEED), '--episodes', str(ROS_EPISODES),
                          '--replan-after', '45', '--domain', new_domain(), *args)
     return report
 
 
-def touches(report):
-    """Episodes whose largest reward is 1 or more: the right gripper reached the cube."""
-    return sum(e['max_reward'] >= 1 for e in report['per_episode'])
+def rewards(report):
+    """Each episode's seed and largest reward."""
+    return [(e['seed'], e['max_reward']) for e in report['per_episode']]
 
 
-def test_it_reaches_the_cube_through_ros(tmp_path):
-    reports = [ros_run(tmp_path, seed) for seed in ROS_SEEDS]
-    assert sum(touches(r) for r in reports) >= ROS_TOUCHES, reports
+def test_it_transfers_the_cube_through_ros(tmp_path):
+    report = ros_run(tmp_path)
+    assert report['successes'] >= ROS_SUCCESSES, rewards(report)
 
 
 def test_a_robot_file_with_two_joints_swapped_transfers_nothing(tmp_path):
     swapped = tmp_path / 'swapped.yaml'
     swapped.write_text(SWAPPED)
-    reports = [ros_run(tmp_path, seed, '--params-file', str(swapped)) for seed in ROS_SEEDS]
-    assert sum(touches(r) for r in reports) == 0, [r['per_episode'] for r in reports]
+    report = ros_run(tmp_path, '--params-file', str(swapped))
+    assert report['successes'] == 0 and report['lifts'] == 0, rewards(report)
