@@ -33,9 +33,9 @@ class LiveParams:
 
     def set(self, params) -> SetParametersResult:
         node, checked = self.node, {}
+        links = getattr(node, 'by_name', {})  # none yet while the node declares its own
         for param in params:
             robot, _, base = param.name.partition('.')
-            links = getattr(node, 'by_name', {})
             if param.name in BY_NAME:
                 # A node parameter is every robot's: each robot's contract must take it.
                 name, only = param.name, None
