@@ -47,8 +47,19 @@ class Chunk:
 
 
 def velocities(positions: np.ndarray, period: float) -> np.ndarray:
+    """Velocities at the points such that the controller's cubic between two points never
+    goes beyond them: the harmonic mean of the slopes on either side (PCHIP's rule for
+    equal spacing), zero where the motion turns or pauses. Central differences overshoot:
+    a gripper stepping 0, 0, c, c got c / 2T at the third point and went past c between the
+    last two, and a hold taken there lay beyond anything commanded."""
     p = np.asarray(positions, dtype=np.float64)
-    v = np.gradient(p, period, axis=0) if len(p) > 1 else np.zeros_like(p)
+    v = np.zeros_like(p)
+    if len(p) > 1:
+        d = np.diff(p, axis=0) / period
+        v[0] = d[0]  # one-sided; with any end slope in [0, 3] x the secant no overshoot
+        a, b = d[:-1], d[1:]
+        same = a * b > 0
+        v[1:-1] = np.where(same, 2 * a * b / np.where(same, a + b, 1.0), 0.0)
     # joint_trajectory_controller rejects a trajectory that ends moving.
     v[-1] = 0.0
     return v

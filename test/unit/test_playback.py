@@ -13,8 +13,9 @@ def test_chunk_velocities_by_hand():
     c = make_chunk(10.0, 0.5, pos)
     assert c.stamp == 10.0 and c.period == 0.5
     np.testing.assert_array_equal(c.positions, pos)
-    # Central differences inside, one-sided at the start, and the last point at rest.
-    np.testing.assert_allclose(c.velocities, [[2.0, 0.0], [4.0, -0.5], [0.0, 0.0]])
+    # One-sided at the start; inside, the harmonic mean of the slopes either side (2 and 6
+    # give 3; a pause then a fall, 0 and -1, gives 0); the last point at rest.
+    np.testing.assert_allclose(c.velocities, [[2.0, 0.0], [3.0, 0.0], [0.0, 0.0]])
     one = make_chunk(0.0, 0.1, [[3.0, 4.0]])
     assert one.velocities.tolist() == [[0.0, 0.0]]
     with pytest.raises(ValueError, match='a chunk needs'):
