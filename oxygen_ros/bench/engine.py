@@ -29,7 +29,7 @@ from ..engine import Engine, EngineConfig
 from ..engine.requests import Request, sample
 from . import fleet as fleet_bench
 from .energy import Meter
-from .workload import _ms, bench_model, observations
+from .workload import _ms, bench_model, observations, times
 
 MODES = ('isolated', 'shared_kv', 'parallel', 'oxygen')
 
@@ -377,10 +377,10 @@ def table(rows) -> str:
     lines = ['| mode | T | frame ms p50 | p99 | action Hz | tokens/s | speedup | phase ratio '
              '| memory MB |', '|---|---|---|---|---|---|---|---|---|']
     for r in rows:
-        ratio = f"{r['phase_ratio']:.2f}x" if 'phase_ratio' in r else ''
         lines.append(f"| {r['mode']} | {r['T']} | {r['frame_ms_p50']:.1f} | "
                      f"{r['frame_ms_p99']:.1f} | {r['action_hz']:.1f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {ratio} | "
+                     f"{r['tokens_per_s']:.0f} | {times(r['speedup'])} | "
+                     f"{times(r.get('phase_ratio'))} | "
                      f"{r['memory_mb']:.0f} |")
     return '\n'.join(lines)
 

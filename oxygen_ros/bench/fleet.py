@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..engine import Engine, EngineConfig, RobotInput
+from .workload import times
 
 FLEET_MODES = ('fleet', 'sliced', 'separate')
 
@@ -271,10 +272,10 @@ def table(rows) -> str:
         e = r.get('energy_mj_per_robot_frame')
         lines.append(
             f"| {r['mode']} | {r['robots']} | {r['T']} | {r['action_hz']:.1f} | "
-            f"{r.get('vs_sliced', float('nan')):.2f}x | {r['latency_ms_p50']:.1f} | "
+            f"{times(r.get('vs_sliced'))} | {r['latency_ms_p50']:.1f} | "
             f"{r['latency_ms_p99']:.1f} | {r['tokens_per_s']:.0f} | {r['peak_mb']:.0f} | "
-            f"{r.get('peak_vs_one', float('nan')):.2f}x | {r['held_mb']:.1f} | "
-            f"{r.get('held_vs_one', float('nan')):.2f}x |"
+            f"{times(r.get('peak_vs_one'))} | {r['held_mb']:.1f} | "
+            f"{times(r.get('held_vs_one'))} |"
             + ((f' {e:.0f} |' if e is not None else ' |') if energy else ''))
     return '\n'.join(lines)
 

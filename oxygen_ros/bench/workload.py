@@ -50,3 +50,9 @@ def _ms(fn, device) -> float:
 
 def _median_ms(fn, device, repeats: int) -> float:
     return float(np.median([_ms(fn, device) for _ in range(repeats)]))
+
+
+def times(x) -> str:
+    """A ratio for a table: '-' where it has no value (one mode run alone has nothing to be
+    compared with), never 'nanx'."""
+    return f'{x:.2f}x' if x is not None and np.isfinite(x) else '-'
