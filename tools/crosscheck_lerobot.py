@@ -725,7 +725,7 @@ def main() -> int:
     import transformers
 
     from oxygen_ros.model import load_checkpoint
-    from oxygen_ros.model.pi05 import flow_times
+    from oxygen_ros.model.denoise import flow_times
     print(f"LeRobot {version}, transformers {transformers.__version__}, torch {torch.__version__}")
     torch.manual_seed(0)
     tiny_variants(m, pg)

@@ -81,7 +81,7 @@ class ModelConfig:
     # "causal": text tokens of the prefix causal, images bidirectional (the OxyGen code).
     prompt_attention: str = "bidirectional"
     rope_base: float = 10000.0
-    # Flow-matching step times (pi05.flow_times): "openpi" or "lerobot" (checkpoint-given).
+    # Flow-matching step times (denoise.flow_times): "openpi" or "lerobot" (checkpoint-given).
     time_grid: str = "openpi"
     # Per image slot, the part of each camera image the model was trained to see, as
     # fractions (x0, y0, x1, y1) of its width and height, cut out before the resize: a policy

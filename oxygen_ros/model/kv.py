@@ -85,3 +85,13 @@ class KV:
         self.valid[rows] = False
         self.length[rows] = 0
         self.next_pos[rows] = 0
+
+
+def contiguous_rows(rows, kv: KV, batch: int) -> slice:
+    if not isinstance(rows, slice):
+        raise TypeError(f"rows must be a slice of KV rows, got {type(rows).__name__}")
+    r = range(*rows.indices(kv.rows))
+    if r.step != 1 or len(r) != batch:
+        raise ValueError(f"rows {rows} select {len(r)} KV rows (step {r.step}); "
+                         f"expected {batch} consecutive rows")
+    return slice(r.start, r.stop)

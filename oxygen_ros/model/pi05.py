@@ -1,12 +1,14 @@
 """pi0.5: PaliGemma backbone plus a time-conditioned Gemma action expert, run in phases.
 
-The phases share one KV store (see kv.py):
-  prefill      encodes an observation, writes every VLM layer's prefix keys and values;
-  denoise      runs flow matching with the action expert, only reading the prefix;
-  decode_step  appends one text token per request and returns its next-token logits;
-  extend       appends a run of text tokens (a question) to one row after what it holds.
-forward_full and forward_text recompute whole sequences without a cache; they are the
-reference the phases are checked against, not a fast path.
+The phases share one KV store (see kv.py), each in a module of its own:
+  prefill      (here) encodes an observation, writes every VLM layer's prefix keys and values;
+  denoise      (denoise.py) runs flow matching with the action expert, only reading the prefix;
+  decode_step  (decode.py) appends one text token per request and returns its next-token
+               logits; extend appends a run of text tokens (a question) to one row after
+               what it holds;
+  forward_full and forward_text (reference.py) recompute whole sequences without a cache;
+               they are the reference the phases are checked against, not a fast path.
+Pi05 holds the weights and is all of them: the phases are its methods.
 """
 
 from __future__ import annotations
@@ -19,20 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .gemma import (
-    NEG,
-    Block,
-    RMSNorm,
-    ada_norm,
-    attend,
-    fold_mask,
-    rms,
-    rope,
-    rope_table,
-    time_embedding,
-)
-from .kv import KV
-from .rtc import Guide
+from .decode import Decode
+from .denoise import Denoise
+from .gemma import Block, RMSNorm, attend, fold_mask, rope, rope_table
+from .kv import KV, contiguous_rows
+from .reference import Reference
 from .siglip import Siglip
 
 # Kept in fp32 when the rest runs in bf16: embeddings of pixels, every Gemma norm (the
@@ -42,36 +35,7 @@ FP32_PARAMS = re.compile(
     r"action_(in|out)\.|time_(in|out)\.)")
 
 
-def flow_times(steps: int, grid: str = "openpi") -> tuple[list[float], float]:
-    """Time of each Euler step: "openpi" accumulates them in fp32 (1.0, 0.9, 0.79999995...);
-    "lerobot" computes 1 + k*dt in float64 and rounds each to fp32 (1.0, 0.9, 0.8, ...)."""
-    if steps <= 0:
-        raise ValueError(f"steps must be positive, got {steps}")
-    dt = torch.tensor(-1.0 / steps, dtype=torch.float32)
-    if grid == "lerobot":
-        return [float(torch.tensor(1.0 + k * (-1.0 / steps), dtype=torch.float32))
-                for k in range(steps)], float(dt)
-    if grid != "openpi":
-        raise ValueError(f"unknown time grid {grid!r}")
-    t = torch.tensor(1.0, dtype=torch.float32)
-    out = []
-    while t >= -dt / 2:
-        out.append(float(t))
-        t = t + dt
-    return out, float(dt)
-
-
-def _contiguous_rows(rows, kv: KV, batch: int) -> slice:
-    if not isinstance(rows, slice):
-        raise TypeError(f"rows must be a slice of KV rows, got {type(rows).__name__}")
-    r = range(*rows.indices(kv.rows))
-    if r.step != 1 or len(r) != batch:
-        raise ValueError(f"rows {rows} select {len(r)} KV rows (step {r.step}); "
-                         f"expected {batch} consecutive rows")
-    return slice(r.start, r.stop)
-
-
-class Pi05(nn.Module):
+class Pi05(Denoise, Decode, Reference, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -194,7 +158,7 @@ class Pi05(nn.Module):
             raise ValueError(f"inconsistent shapes: images {tuple(images.shape)}, image_mask "
                              f"{tuple(image_mask.shape)}, tokens {tuple(tokens.shape)}, "
                              f"token_mask {tuple(token_mask.shape)}")
-        rows = _contiguous_rows(rows, kv, b)
+        rows = contiguous_rows(rows, kv, b)
         image_mask = image_mask.to(dev, torch.bool)
         token_mask = token_mask.to(dev, torch.bool)
         n_tok, n_txt = cfg.image_tokens, tokens.shape[1]
@@ -283,340 +247,3 @@ class Pi05(nn.Module):
         kv.length[rows] = lp
         kv.next_pos[rows] = valid.sum(1)
         return self.vlm_norm(x[:, 0])
-
-    # ------------------------------------------------------------------ denoise
-    def _modulations(self, times: list[float]):
-        """adaRMSNorm (1 + scale, shift, gate) of every expert norm at every step, computed
-        once per call: they depend on the time only. Returns [step][norm] -> tuple."""
-        t = torch.tensor(times, dtype=torch.float32, device=self.device)
-        per_norm = [list(zip(*(x.unbind(0) for x in m), strict=True))
-                    for m in self._norm_modulations(t)]
-        return [list(m) for m in zip(*per_norm, strict=True)]
-
-    def _norm_modulations(self, t: torch.Tensor) -> list[tuple]:
-        """[norm] -> (1 + scale, shift, gate), each [len(t), width], at times ``t``."""
-        e = self.cfg.expert
-        c = F.silu(F.linear(time_embedding(t, e.width), self.time_in.weight, self.time_in.bias))
-        c = F.silu(F.linear(c, self.time_out.weight, self.time_out.bias))
-        dense = [n for blk in self.expert for n in (blk.norm1, blk.norm2)] + [self.expert_norm]
-        out = []
-        for d in dense:
-            scale, shift, gate = F.linear(c.to(d.weight.dtype), d.weight, d.bias).float() \
-                .chunk(3, -1)
-            out.append((1.0 + scale, shift, gate.to(self.dtype)))
-        return out
-
-    def velocity(self, kv: KV, rows: slice, x_t: torch.Tensor,
-                 t: torch.Tensor) -> torch.Tensor:
-        """The flow's velocity [B, horizon, action_dim] at ``x_t`` and time ``t`` [B] (one per
-        row), from the prefix that prefill left in ``rows``: what each denoise step computes
-        (there all rows share one time), with gradients where the parameters take them.
-        Training's flow-matching loss is on it."""
-        b = x_t.shape[0]
-        rows = _contiguous_rows(rows, kv, b)
-        if t.shape != (b,):
-            raise ValueError(f"t must be [{b}], one time per row, got {tuple(t.shape)}")
-        lp = int(kv.length[rows].max())
-        mods = [tuple(x[:, None] for x in m)
-                for m in self._norm_modulations(t.to(self.device, torch.float32))]
-        inputs = self._denoise_inputs(kv, rows, x_t.shape[1], lp)
-        return self._velocity(x_t.to(self.device, torch.float32), mods, *inputs)
-
-    def denoise(self, kv: KV, rows: slice, noise: torch.Tensor, steps: int = 10,
-                cols: int | None = None, trace: list | None = None,
-                guide: Guide | None = None) -> torch.Tensor:
-        """Flow-matching sampling from noise [B, horizon, action_dim] -> fp32 actions.
-
-        Reads the prefix keys/values of ``rows`` in place and writes nothing, so it must see
-        the rows as prefill left them (before any decoded token). ``cols`` fixes the number
-        of key columns read (default: the rows' longest length) for static shapes. With a
-        list as ``trace`` the velocity of every step is appended to it. A ``guide`` (rtc.py)
-        steers the sample towards the chunk being executed (real-time chunking).
-        """
-        if guide is None:
-            with torch.no_grad():
-                return self._denoise(kv, rows, noise, steps, cols, trace, None)
-        # The guidance differentiates through the expert: leave inference mode (callers run
-        # in it) so that the tensors built here can be saved for the backward pass. The
-        # prefix keys/values are views of the cache, which autograd may save as they are.
-        with torch.inference_mode(False), torch.no_grad():
-            return guide.finish(self._denoise(kv, rows, noise, steps, cols, trace, guide))
-
-    def _denoise(self, kv, rows, noise, steps, cols, trace, guide):
-        b = noise.shape[0]
-        rows = _contiguous_rows(rows, kv, b)
-        times, dtime = flow_times(steps, self.cfg.time_grid)
-        lp = int(kv.length[rows].max()) if cols is None else cols
-        mods = self._modulations(times)
-        inputs = self._denoise_inputs(kv, rows, noise.shape[1], lp)
-        x = noise.to(self.device, torch.float32)
-        for step in range(len(times)):
-            if guide is None:
-                v = self._velocity(x, mods[step], *inputs)
-            else:
-                v = guide.velocity(x, times[step], lambda y, m=mods[step]: self._velocity(
-                    y, m, *inputs))
-            if trace is not None:
-                trace.append(v)
-            x = x + dtime * v
-        return x
-
-    @torch.no_grad()
-    def denoise_static(self, kv: KV, rows: torch.Tensor, noise: torch.Tensor, cols: int,
-                       mods: list, dtime: float) -> torch.Tensor:
-        """denoise with static shapes and no host synchronisation, for CUDA graph capture:
-        ``rows`` is an index tensor [B] (the prefix is gathered once per call), ``cols``
-        fixes the key columns (masked past each row's valid ones), ``mods`` and ``dtime``
-        come from ``flow_schedule``. Unguided only: the guided path differentiates."""
-        inputs = self._denoise_inputs(kv, rows, noise.shape[1], cols)
-        x = noise.to(self.device, torch.float32)
-        for m in mods:
-            x = x + dtime * self._velocity(x, m, *inputs)
-        return x
-
-    def flow_schedule(self, steps: int) -> tuple[list, float]:
-        """Per-step expert modulations and the Euler step size, for denoise_static."""
-        times, dtime = flow_times(steps, self.cfg.time_grid)
-        return self._modulations(times), dtime
-
-    def _denoise_inputs(self, kv: KV, rows, t: int, lp: int):
-        """What every denoise step reads: the prefix keys (transposed) and values, the key
-        bias, the chunk's rotary tables. ``rows`` a slice reads the cache in place; an index
-        tensor gathers copies (static addresses whichever rows are chosen)."""
-        if isinstance(rows, slice):
-            def take(x):
-                return x[rows]
-        else:
-            def take(x):
-                return x.index_select(0, rows)
-        valid = take(kv.valid[:, :lp])
-        b = valid.shape[0]
-        bias = torch.zeros(b, 1, 1, lp + t, device=self.device)
-        bias[:, 0, 0, :lp].masked_fill_(~valid, NEG)
-        pos = take(kv.next_pos)[:, None] + torch.arange(t, device=self.device)
-        cos_t, sin_t = self._rope_for(int(kv.max_len) + t + 1)
-        cos, sin = cos_t[pos].unsqueeze(2), sin_t[pos].unsqueeze(2)
-        prefix = [(take(kv.k[i][:, :, :lp]).transpose(-1, -2), take(kv.v[i][:, :, :lp]))
-                  for i in range(self.cfg.expert.depth)]
-        return prefix, bias, cos, sin, lp
-
-    def _velocity(self, x, mods, prefix, bias, cos, sin, lp):
-        e = self.cfg.expert
-        b, t, _ = x.shape
-        kvh, d = e.kv_heads, e.head_dim
-        gt = (e.heads // kvh) * t
-        h = F.linear(x, self.action_in.weight, self.action_in.bias).to(self.dtype)
-        for i, blk in enumerate(self.expert):
-            scale, shift, gate = mods[2 * i]
-            q, k, v = blk.qkv_heads(ada_norm(h, scale, shift))
-            q = (rope(q, cos, sin) * d ** -0.5).transpose(1, 2).reshape(b, kvh, gt, d)
-            k = rope(k, cos, sin).permute(0, 2, 3, 1)  # [b, kvh, d, t]
-            v = v.transpose(1, 2)
-            # One softmax over [prefix | chunk] keys; the prefix is only read, never copied.
-            kp, vp = prefix[i]
-            s = torch.cat((q @ kp, q @ k), -1)
-            p = torch.softmax(s.float() + bias, -1).to(self.dtype)
-            o = p[..., :lp] @ vp + p[..., lp:] @ v
-            o = o.view(b, e.heads, t, d).transpose(1, 2).reshape(b, t, e.heads * d)
-            h = h + F.linear(o, blk.o.weight) * gate
-            scale, shift, gate = mods[2 * i + 1]
-            h = h + blk.mlp(ada_norm(h, scale, shift)) * gate
-        scale, shift, _ = mods[-1]
-        h = ada_norm(h, scale, shift)
-        return F.linear(h.float(), self.action_out.weight, self.action_out.bias)
-
-    # ------------------------------------------------------------------ decode
-    @torch.no_grad()
-    def decode_step(self, kv: KV, rows: torch.Tensor, tokens: torch.Tensor,
-                    cols: int | None = None) -> torch.Tensor:
-        """Append one token to each of ``rows`` and return fp32 next-token logits [b, vocab]."""
-        return self.logits(self.decode_hidden(kv, rows, tokens, cols))
-
-    @torch.no_grad()
-    def decode_hidden(self, kv: KV, rows: torch.Tensor, tokens: torch.Tensor,
-                      cols: int | None = None, live: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-        """decode_step without the LM head: the final-normed hidden state [b, width].
-
-        Rows may differ in prefix layout, valid columns and tokens generated so far; each
-        token's key/value goes to column kv.length[row] at position kv.next_pos[row]. Keys
-        are gathered for the first ``cols`` columns (default: longest row after appending;
-        pass a fixed value for static shapes).
-
-        ``live`` [b] bool pads a batch to a fixed size: a False entry points at a row
-        nobody reads (the cache's scratch row), attends to every column (a fully masked
-        query is NaN on some attention kernels, and NaN keys written there would poison
-        later reads of the row), and neither advances its row nor marks a column valid.
-        With ``cols`` and ``live`` given nothing here waits for the device (CUDA graph
-        capture).
-        """
-        dev = self.device
-        rows, tokens = rows.to(dev), tokens.to(dev)
-        col, pos = kv.length[rows], kv.next_pos[rows]
-        if cols is None:
-            cols = int(col.max()) + 1
-            if cols > kv.max_len:
-                raise ValueError(f"KV rows are full ({kv.max_len} columns)")
-        if live is None:
-            kv.valid[rows, col] = True
-            mask = kv.valid[:, :cols].index_select(0, rows)
-            step = 1
-        else:
-            kv.valid[rows, col] = live
-            mask = kv.valid[:, :cols].index_select(0, rows) | ~live[:, None]
-            step = live.long()
-        mask = mask[:, None, None, :]
-        cos_t, sin_t = self._rope_for(int(kv.max_len) + 1)
-        cos, sin = cos_t[pos][:, None, None], sin_t[pos][:, None, None]
-
-        x = self.embed_tokens(tokens)[:, None]
-        for i, blk in enumerate(self.vlm):
-            q, k, v = blk.qkv_heads(blk.norm1(x))
-            kv.k[i][rows, :, col] = rope(k, cos, sin)[:, 0]
-            kv.v[i][rows, :, col] = v[:, 0]
-            kc = kv.k[i][:, :, :cols].index_select(0, rows)
-            vc = kv.v[i][:, :, :cols].index_select(0, rows)
-            x = x + F.linear(attend(rope(q, cos, sin), kc, vc, mask), blk.o.weight)
-            x = x + blk.mlp(blk.norm2(x))
-        kv.length[rows] = col + step
-        kv.next_pos[rows] = pos + step
-        return self.vlm_norm(x[:, 0])
-
-    @torch.no_grad()
-    def extend(self, kv: KV, row: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Append text ``tokens`` [n] to one row in one pass; returns the final-normed hidden
-        state [1, width] after the last of them.
-
-        Each token attends to the row's valid columns and to the tokens before it, at
-        positions continuing from kv.next_pos, exactly as if they had been decoded one by
-        one: a question enters a request after the frame's prefix without a second prefill.
-        """
-        return self.extend_rows(kv, slice(row, row + 1), tokens.reshape(1, -1))[:, -1]
-
-    def extend_rows(self, kv: KV, rows: slice, tokens: torch.Tensor) -> torch.Tensor:
-        """extend for the rows of one prefill (they share its column layout): ``tokens``
-        [b, n] appended to each; returns the final-normed hidden state after each token
-        [b, n, width]. Gradients flow where the parameters take them (training's text loss
-        runs through it, teacher-forced)."""
-        dev = self.device
-        tokens = tokens.to(dev)
-        b, n = tokens.shape
-        rows = _contiguous_rows(rows, kv, b)
-        if n == 0:
-            raise ValueError("extend needs at least one token")
-        lengths = kv.length[rows]
-        start = int(lengths[0])
-        if bool((lengths != start).any()):
-            raise ValueError(f"rows of different lengths {lengths.tolist()} cannot be extended "
-                             f"together")
-        end = start + n
-        if end > kv.max_len:
-            raise ValueError(f"{n} tokens after {start} columns do not fit KV rows of "
-                             f"{kv.max_len}")
-        kv.valid[rows, start:end] = True
-        cols = torch.arange(end, device=dev)
-        new = torch.arange(start, end, device=dev)[:, None]
-        mask = kv.valid[rows, None, :end] & ((cols < start) | (cols <= new))  # [b, n, end]
-        mask = fold_mask(mask[:, None], self.cfg.vlm.heads // self.cfg.vlm.kv_heads)
-        pos = kv.next_pos[rows, None] + torch.arange(n, device=dev)
-        cos_t, sin_t = self._rope_for(int(kv.max_len) + 1)
-        cos, sin = cos_t[pos][:, :, None], sin_t[pos][:, :, None]
-
-        x = self.embed_tokens(tokens)
-        for i, blk in enumerate(self.vlm):
-            q, k, v = blk.qkv_heads(blk.norm1(x))
-            kv.k[i][rows, :, start:end] = rope(k, cos, sin).transpose(1, 2)
-            kv.v[i][rows, :, start:end] = v.transpose(1, 2)
-            kc, vc = kv.k[i][rows, :, :end], kv.v[i][rows, :, :end]
-            x = x + F.linear(attend(rope(q, cos, sin), kc, vc, mask), blk.o.weight)
-            x = x + blk.mlp(blk.norm2(x))
-        kv.length[rows] = end
-        kv.next_pos[rows] += n
-        return self.vlm_norm(x)
-
-    # ------------------------------------------------------------------ reference
-    @torch.no_grad()
-    def forward_full(self, images, image_mask, tokens, token_mask, x_t, time: float):
-        """Velocity [B, horizon, action_dim] of one flow step from the whole [prefix | action
-        chunk] sequence run jointly through both experts, without a cache."""
-        return self._reference(images, image_mask, tokens, token_mask, x_t=x_t, time=time)
-
-    @torch.no_grad()
-    def forward_text(self, images, image_mask, tokens, token_mask, generated):
-        """Logits [B, G+1, vocab] from the whole [prefix | generated] sequence, no cache:
-        index 0 predicts the first generated token, index j follows generated token j."""
-        return self._reference(images, image_mask, tokens, token_mask, generated=generated)
-
-    def _reference(self, images, image_mask, tokens, token_mask, generated=None, x_t=None,
-                   time=None):
-        """openpi's layout and masks: every camera encoded, make_att_2d_masks-style mask."""
-        cfg, ev, ee = self.cfg, self.cfg.vlm, self.cfg.expert
-        dev, dt = self.device, self.dtype
-        b, s = image_mask.shape
-        n, n_txt = cfg.image_tokens, tokens.shape[1]
-        image_mask, token_mask = image_mask.to(dev, torch.bool), token_mask.to(dev, torch.bool)
-        feats = self.embed_images(images.flatten(0, 1)).to(dt).reshape(b, s * n, ev.width)
-        xv = [feats, self.embed_tokens(tokens.to(dev))]
-        pad = [image_mask.repeat_interleave(n, 1), token_mask]
-        causal = cfg.prompt_attention == "causal"
-        att = [torch.zeros(b, s * n, dtype=torch.long, device=dev),
-               torch.full((b, n_txt), int(causal), dtype=torch.long, device=dev)]
-        if generated is not None:
-            g = generated.shape[1]
-            xv.append(self.embed_tokens(generated.to(dev)))
-            pad.append(torch.ones(b, g, dtype=torch.bool, device=dev))
-            att.append(torch.ones(b, g, dtype=torch.long, device=dev))
-        xv = torch.cat(xv, 1)
-        nv = xv.shape[1]
-        xa = None
-        if x_t is not None:
-            t = x_t.shape[1]
-            xa = F.linear(x_t.to(dev, torch.float32), self.action_in.weight,
-                          self.action_in.bias).to(dt)
-            pad.append(torch.ones(b, t, dtype=torch.bool, device=dev))
-            att.append(F.one_hot(torch.zeros(b, dtype=torch.long, device=dev), t))
-            temb = time_embedding(torch.tensor([float(time)], device=dev), ee.width)
-            cond = F.silu(self.time_out(F.silu(self.time_in(temb))))
-        pad, att = torch.cat(pad, 1), torch.cat(att, 1)
-        cum = att.cumsum(1)
-        allowed = (cum[:, None, :] <= cum[:, :, None]) & pad[:, None, :] & pad[:, :, None]
-        pos = pad.long().cumsum(1) - 1
-        inv = 1.0 / cfg.rope_base ** (torch.arange(0, ev.head_dim, 2, device=dev).double()
-                                      / ev.head_dim)
-        ang = (pos.double()[..., None] * inv).repeat(1, 1, 2)[:, :, None]
-        cos, sin = ang.cos().to(dt), ang.sin().to(dt)
-
-        def rot(x):
-            x1, x2 = x.chunk(2, -1)
-            return x * cos + torch.cat((-x2, x1), -1) * sin
-
-        def ada(x, dense):
-            scale, shift, gate = dense(cond).float().chunk(3, -1)
-            return (rms(x) * (1 + scale[:, None]) + shift[:, None]).to(dt), gate[:, None].to(dt)
-
-        groups = ev.heads // ev.kv_heads
-        for i in range(ev.depth):
-            bv, be = self.vlm[i], self.expert[i]
-            q, k, v = bv.qkv_heads(bv.norm1(xv))
-            if xa is not None:
-                ha, ga1 = ada(xa, be.norm1)
-                qa, ka, va = be.qkv_heads(ha)
-                q, k, v = torch.cat((q, qa), 1), torch.cat((k, ka), 1), torch.cat((v, va), 1)
-            q, k = rot(q), rot(k)
-            k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
-            sc = torch.einsum("bqhd,bkhd->bhqk", q, k).float() / math.sqrt(ev.head_dim)
-            p = sc.masked_fill(~allowed[:, None], NEG).softmax(-1).to(dt)
-            o = torch.einsum("bhqk,bkhd->bqhd", p, v).flatten(2)
-            xv = xv + bv.o(o[:, :nv])
-            xv = xv + bv.mlp(bv.norm2(xv))
-            if xa is not None:
-                xa = xa + be.o(o[:, nv:]) * ga1
-                ha, ga2 = ada(xa, be.norm2)
-                xa = xa + be.mlp(ha) * ga2
-        if xa is not None:
-            h, _ = ada(xa, self.expert_norm)
-            return F.linear(h.float(), self.action_out.weight, self.action_out.bias)
-        lp = s * n + n_txt
-        last = (pad[:, :lp] * torch.arange(1, lp + 1, device=dev)).argmax(1)
-        h = torch.cat((xv[torch.arange(b, device=dev), last, None], xv[:, lp:]), 1)
-        return F.linear(self.vlm_norm(h), self.embed.weight).float()

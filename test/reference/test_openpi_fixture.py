@@ -18,7 +18,7 @@ from support.paths import FIXTURES  # noqa: E402
 
 from oxygen_ros.model import KV, load_checkpoint, load_config
 from oxygen_ros.model.checkpoint import EXP, open_checkpoint
-from oxygen_ros.model.pi05 import flow_times
+from oxygen_ros.model.denoise import flow_times
 from oxygen_ros.model.tokenizer import Tokenizer, action_prompt
 
 torch.set_num_threads(2)

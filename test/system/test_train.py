@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oxygen_ros.model import KV, Pi05, load_config
-from oxygen_ros.model.pi05 import flow_times
+from oxygen_ros.model.denoise import flow_times
 from oxygen_ros.robot.profiles import make_profile
 
 torch.set_num_threads(2)

@@ -6,7 +6,7 @@ import torch
 from support.models import LENGTHS, MASKS, observation, tiny_model  # noqa: E402
 
 from oxygen_ros.model import KV, ModelConfig, Pi05, load_config
-from oxygen_ros.model.pi05 import flow_times
+from oxygen_ros.model.denoise import flow_times
 
 torch.set_num_threads(2)
 
