@@ -144,6 +144,15 @@ def test_a_hold_after_the_stream_stopped_is_where_the_arm_is(age):
     pytest.fail('no hold')
 
 
+
+def paths(c, n):
+    """The controller's cubic over each segment of chunk `c`, sampled at n points: [segment]
+    -> positions [n, dim]."""
+    s = np.linspace(0.0, c.period, n)
+    return [hermite(s, 0.0, c.positions[i], c.velocities[i], c.period, c.positions[i + 1],
+                    c.velocities[i + 1])[0] for i in range(len(c.positions) - 1)]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(-3.0, 3.0), min_size=1, max_size=12), st.floats(0.01, 0.5))
 def test_the_cubic_between_two_points_stays_between_them(xs, period):
@@ -151,10 +160,7 @@ def test_the_cubic_between_two_points_stays_between_them(xs, period):
     the two points of a segment: a gripper stepping to closed never passes closed, and a
     joint never passes the extreme of what was commanded (central differences did both)."""
     c = make_chunk(0.0, period, np.array(xs)[:, None])
-    for i in range(len(xs) - 1):
-        s = np.linspace(0.0, period, 101)
-        p, _ = hermite(s, 0.0, c.positions[i], c.velocities[i], period, c.positions[i + 1],
-                       c.velocities[i + 1])
+    for i, p in enumerate(paths(c, 101)):
         lo, hi = min(xs[i], xs[i + 1]), max(xs[i], xs[i + 1])
         assert np.all((p >= lo - 1e-9) & (p <= hi + 1e-9)), (i, xs, p.min(), p.max())
 
@@ -162,7 +168,5 @@ def test_the_cubic_between_two_points_stays_between_them(xs, period):
 def test_a_binarised_gripper_step_never_passes_closed():
     closed = 0.8
     c = make_chunk(0.0, 0.1, [[0.0], [0.0], [closed], [closed], [closed]])
-    s = np.linspace(0.0, 0.1, 51)
-    p = np.concatenate([hermite(s, 0.0, c.positions[i], c.velocities[i], 0.1,
-                                c.positions[i + 1], c.velocities[i + 1])[0] for i in range(4)])
+    p = np.concatenate(paths(c, 51))
     assert p.max() <= closed + 1e-12 and p.min() >= -1e-12
