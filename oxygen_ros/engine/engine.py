@@ -126,6 +126,11 @@ class Engine:
         return self.model_cfg.action_dim
 
     @property
+    def rtc_unguided(self) -> tuple[int, ...]:
+        """Action dims real-time chunking leaves unguided (ModelInputs.unguided)."""
+        return self.inputs.unguided
+
+    @property
     def state_dim(self) -> int | None:
         """The state the checkpoint expects (openpi: at most this many); None: not stated."""
         return self.checkpoint.state_dim

@@ -166,6 +166,7 @@ class BatchGuide:
             self.target[i] = g.target.float()
             self.weights[i, :, 0] = g.weights
             self.columns[i, :, :g.columns] = 1.0
+            self.columns[i, :, list(g.free)] = 0.0
 
     def velocity(self, x: torch.Tensor, t: float, velocity) -> torch.Tensor:
         return guided(x, t, self.beta, velocity, self._error)

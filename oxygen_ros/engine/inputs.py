@@ -19,6 +19,9 @@ from .fleet import BatchGuide
 from .io import Observation, RobotInput
 from .scheduler import Frame
 
+# Model units per robot unit above which an action dim counts as constant in training.
+UNGUIDED_GAIN = 100.0
+
 
 class Prepared:
     """One robot's inputs, checked, as host tensors: its part of a frame."""
@@ -36,6 +39,7 @@ class ModelInputs:
         self.checkpoint = checkpoint
         self.model_cfg = checkpoint.model.cfg
         self.norm = checkpoint.norm
+        self._unguided: tuple[int, ...] | None = None
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
         size = self.model_cfg.vision.image_size
@@ -46,6 +50,23 @@ class ModelInputs:
         # device has then finished the copy).
         self._pinned = torch.empty(cfg.robots, len(self.slots), 3, size, size,
                                    pin_memory=True) if device.type == 'cuda' else None
+
+    @property
+    def unguided(self) -> tuple[int, ...]:
+        """Action dims real-time chunking leaves free: those the checkpoint's stats show
+        (nearly) constant in training, whose normalisation multiplies a unit by more than
+        UNGUIDED_GAIN (a span under ~0.02 rad or m). The model cannot follow a target there,
+        and the gain turns a joint's jitter between two frames into a model-space error
+        thousands of times the rest: its gradient through the expert threw whole chunks out
+        of range (a scripted demo's ALOHA never turns its waist: q01 = q99, gain 2e6)."""
+        if self.norm is None:
+            return ()
+        if self._unguided is None:
+            n = self.action_dim
+            gain = np.abs(self.norm.normalize_actions(np.ones((1, n)))
+                          - self.norm.normalize_actions(np.zeros((1, n))))[0]
+            self._unguided = tuple(int(i) for i in np.flatnonzero(gain > UNGUIDED_GAIN))
+        return self._unguided
 
     @property
     def horizon(self) -> int:
@@ -138,13 +159,13 @@ class ModelInputs:
         delay = min(handover.delay, h - handover.start)
         if handover.previous is None:
             return Guide.make(last, handover.start, delay, self.cfg.rtc_beta,
-                              columns=self.action_dim)
+                              columns=self.action_dim, free=self.unguided)
         prev = np.asarray(handover.previous, dtype=np.float64)
         if prev.ndim != 2 or prev.shape[0] != h or not 1 <= prev.shape[1] <= self.action_dim:
             raise ValueError(f'handover.previous must be [{h}, <= {self.action_dim}], '
                              f'got {prev.shape}')
         return Guide.make(self.actions_in(prev), handover.start, delay, self.cfg.rtc_beta,
-                          columns=prev.shape[1])
+                          columns=prev.shape[1], free=self.unguided)
 
     def batch(self, parts: list[Prepared]) -> Frame:
         """The model's inputs of every robot of a frame, batched on the device."""

@@ -94,10 +94,13 @@ class Guide:
     delay: int
     beta: float = 5.0
     columns: int | None = None  # action dims guided (the robot's); the rest are free
+    # Dims of those left free anyway (their frozen steps are still copied): see
+    # ModelInputs.unguided.
+    free: tuple[int, ...] = ()
 
     @classmethod
     def make(cls, previous: torch.Tensor, start: int, delay: int, beta: float = 5.0,
-             columns: int | None = None) -> Guide:
+             columns: int | None = None, free: tuple[int, ...] = ()) -> Guide:
         """The guide for a chunk whose first step is step ``start`` of ``previous``
         ([horizon, action_dim]); ``delay`` steps of it run before the new chunk arrives."""
         h = previous.shape[0]
@@ -111,7 +114,7 @@ class Guide:
             raise ValueError(f'beta must be >= 0, got {beta}')
         target = torch.zeros_like(previous, dtype=torch.float32)
         target[:overlap] = previous[start:].float()
-        return cls(target, weights(h, delay, overlap), delay, beta, columns)
+        return cls(target, weights(h, delay, overlap), delay, beta, columns, tuple(free))
 
     def velocity(self, x: torch.Tensor, t: float, velocity) -> torch.Tensor:
         """Guided velocity at ``x`` [b, horizon, dim], time ``t``; ``velocity(x)`` is the
@@ -122,6 +125,8 @@ class Guide:
         err = (self.target.to(clean.device) - clean) * self.weights.to(clean.device)[:, None]
         if self.columns is not None:
             err[..., self.columns:] = 0.0
+        if self.free:
+            err[..., list(self.free)] = 0.0
         return err
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:

@@ -221,6 +221,10 @@ def describe_weights(cfg, e) -> str:
         return (f'model {cfg.p.model or "small"} with RANDOM weights (seed '
                 f'{cfg.p.seed}, no checkpoint): not a trained policy')
     w = e.weights
-    return (f'{w["layout"]} checkpoint {cfg.p.checkpoint} ({e.conventions} conventions, '
+    text = (f'{w["layout"]} checkpoint {cfg.p.checkpoint} ({e.conventions} conventions, '
             f'normalisation {w["normalization"] or "off"}; tokenizer {e.tokenizer.source}, '
             f'{e.tokenizer_from})')
+    if e.cfg.rtc and e.rtc_unguided:
+        text += (f'; real-time chunking leaves action dims {list(e.rtc_unguided)} unguided '
+                 f'(constant in the checkpoint\'s stats)')
+    return text

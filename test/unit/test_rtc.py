@@ -194,6 +194,35 @@ def test_engine_joins_a_chunk_given_in_this_frames_terms():
         rtc.step(obs[1], handover=Handover(4, 3, previous=given[:5]))
 
 
+def test_a_dim_constant_in_training_is_left_unguided():
+    # Dim 2's stats say it never moved in training (q01 == q99, as a scripted ALOHA's waist):
+    # normalising multiplies it by ~2e6, so 1e-4 of jitter between two frames would be an
+    # error of ~200 model units, and its gradient through the expert threw whole chunks out
+    # of range. It is left free: the jitter changes no other dim, and its own frozen steps
+    # are still the previous chunk's.
+    rng = np.random.default_rng(9)
+    lo, hi = rng.uniform(-2, -1, 8), rng.uniform(1, 3, 8)
+    lo[2] = hi[2] = 0.3
+    s = dict(q01=lo.tolist(), q99=hi.tolist(), mean=[0.0] * 8, std=[1.0] * 8)
+    norm = NormStats.from_dict(dict(state=s, actions=s))
+    steady, jittery = engine(norm=norm), engine(norm=norm)
+    assert steady.rtc_unguided == (2,)
+    assert engine(norm=stats()).rtc_unguided == ()
+    obs = list(frames(2))
+    steady.step(obs[0])
+    jittery.step(obs[0])
+    given = rng.uniform(lo, hi, (H, 8))
+    given[:, 2] = 0.3
+    shaken = given.copy()
+    shaken[:, 2] += 1e-4
+    a = steady.step(obs[1], handover=Handover(4, 3, previous=given)).actions
+    b = jittery.step(obs[1], handover=Handover(4, 3, previous=shaken)).actions
+    others = [i for i in range(8) if i != 2]
+    np.testing.assert_allclose(b[:, others], a[:, others], atol=1e-6)
+    np.testing.assert_allclose(b[:3, 2], shaken[4:7, 2], atol=1e-5)
+    np.testing.assert_allclose(a[:3, others], given[4:7, others], atol=1e-5)
+
+
 def test_rtc_bench_writes_its_table(tmp_path):
     from oxygen_ros.bench import rtc as rtc_bench
 
