@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from oxygen_ros.robot import safe_yaml
 from oxygen_ros.robot.frames import Assembler
 from oxygen_ros.robot.limits import JointLimits, parse_limits
@@ -57,6 +59,7 @@ class Group:
     topic: str
     joints: list[str]
     indices: list[int]
+    hold: str = 'reading'  # or 'setpoint' (GROUP_PARAMS)
 
 
 @dataclass
@@ -96,7 +99,7 @@ class Config:
                 raise StartError(f'output group name {shown(g)} must be a plain identifier')
             q = {k.name: coerce(f'outputs.{g}.{k.name}', values.get(f'outputs.{g}.{k.name}'), k)
                  for k in GROUP_PARAMS}
-            groups.append(Group(g, q['topic'], q['joints'], q['indices']))
+            groups.append(Group(g, q['topic'], q['joints'], q['indices'], q['hold']))
         why = prompt_problem(p.prompt, p.max_prompt_chars)
         if why:
             raise StartError(f'parameter prompt: {why}')
@@ -115,6 +118,15 @@ class Config:
         two arms share joint names: the group tells them apart)."""
         return {i: f'{g.name}/{j}' for g in self.groups
                 for j, i in zip(g.joints, g.indices, strict=True)}
+
+    @property
+    def hold_setpoint(self) -> np.ndarray:
+        """[action_dim] True where a hold keeps the last command (outputs.<group>.hold)."""
+        keep = np.zeros(self.profile.action_dim, dtype=bool)
+        for g in self.groups:
+            if g.hold == 'setpoint':
+                keep[g.indices] = True
+        return keep
 
     @property
     def random_weights(self) -> bool:

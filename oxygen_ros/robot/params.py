@@ -229,6 +229,10 @@ GROUP_PARAMS = (
     Param('topic', '', 'trajectory topic (relative), e.g. arm_controller/joint_trajectory'),
     Param('joints', None, 'joint names the controller expects', 'str[]'),
     Param('indices', None, 'action vector index of each joint', 'int[]', low=0),
+    Param('hold', 'reading', "where a hold keeps the group's joints: 'reading', where they "
+          "are (an arm), or 'setpoint', where they were last commanded (a gripper closed on "
+          'an object goes on squeezing it; at its reading it would open to the width of the '
+          'object and drop it)', choices=('reading', 'setpoint')),
 )
 
 

@@ -122,10 +122,14 @@ class Player:
     limits: joint limits applied to every published point (None: none).
     open_loop: the controller starts each new trajectory from its last command, not from
     the measured state (JTC's open_loop_control).
+    keep: [action_dim] True where a hold keeps the setpoint rather than where the joint is
+    (a gripper: closed on an object it is stalled short of its setpoint, and holding at the
+    reading would stop the squeeze that holds the object).
     """
 
     def __init__(self, horizon: float, play_steps: int = 0, hold_after: float = 0.01,
-                 limits: JointLimits | None = None, open_loop: bool = False):
+                 limits: JointLimits | None = None, open_loop: bool = False,
+                 keep: np.ndarray | None = None):
         if horizon <= 0 or play_steps < 0 or hold_after <= 0:
             raise ValueError(f'horizon and hold_after must be > 0 and play_steps >= 0, got '
                              f'{horizon}, {hold_after}, {play_steps}')
@@ -134,6 +138,7 @@ class Player:
         self.hold_after = hold_after
         self.limits = limits
         self.open_loop = open_loop
+        self.keep = None if keep is None or not np.any(keep) else np.asarray(keep, dtype=bool)
         # A reading this old or newer says where the arm is better than the setpoint does
         # (a few control periods: about how often a joint stream comes).
         self.recent = max(RECENT_S, 3 * hold_after)
@@ -331,6 +336,11 @@ class Player:
         # Where the controller is now, not where the arm was last read: holding there would
         # send it back. Nothing sent and no fresh reading: NaN, no target.
         pos = self._start(now, hold_at, self._dim())[0]
+        if self.keep is not None:
+            sp = self.setpoint(now)
+            if sp is not None:
+                k = self.keep & np.isfinite(sp)
+                pos[k] = sp[k]
         if self.limits is None:
             cmd = Command(np.array([self.hold_after]), pos[None], np.zeros((1, len(pos))),
                           hold=why)

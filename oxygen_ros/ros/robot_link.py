@@ -80,7 +80,7 @@ class RobotLink:
         cfg = self.cfg
         self.player = Player(cfg.p.max_command_horizon, cfg.p.play_steps,
                              hold_after=1.0 / cfg.p.control_rate_hz, limits=cfg.limits,
-                             open_loop=cfg.p.open_loop_control)
+                             open_loop=cfg.p.open_loop_control, keep=cfg.hold_setpoint)
         self.inputs = Inputs(cfg, self.reporter, self.now)
         self.intake = Intake(cfg, self.inputs, self.reporter, self.now, self.stop_commanding,
                              self._take_joints, self.stats.latency, self.lock)

@@ -278,20 +278,20 @@ def direct(args, task: str, out: Path) -> list[dict]:
         if task == 'transfer_cube' and observer is None:
             observer = Observer(sim)
         t0 = time.monotonic()
-        rewards, frames, queue = [], [], []
+        rewards, frames = [], []
         guard.start(sim.state())
+        plan = Plan(play, args.delay_steps)
         unstable = ''
         for k in range(args.steps):
-            if not queue:
+            if plan.due():
                 state = sim.state()
                 obs = Observation(stamp=sim.time,
                                   images={slots[c]: sim.render(c) for c in slots},
                                   state=np.asarray(profile.encode_state(state), np.float32),
                                   prompt=prompt)
-                targets = profile.decode_actions(engine.step(obs).actions, state)
-                queue = list(targets[:play])
-            a = np.array(queue.pop(0), float)
-            a = guard(a)
+                plan.got(profile.decode_actions(engine.step(obs).actions, state))
+            a = plan.next()
+            a = guard(guard.last if a is None else a)
             a[[6, 13]] = normalized_from_gripper(a[[6, 13]])  # servo angle -> gym's 0..1
             try:
                 rewards.append(sim.step(a))
@@ -369,6 +369,49 @@ def open_loop(args, out: Path) -> dict:
         print(f'  {j:22s} mean {v["mean"]:.4f}  first {v["first"]:.4f}  middle '
               f'{v["middle"]:.4f}  last {v["last"]:.4f}')
     return report
+
+
+class Plan:
+    """Which action the direct path plays at each step. With no delay, ``play`` actions of a
+    chunk, then the next chunk from its first action (the scene waits for the model). With
+    ``delay`` steps, the ROS path's timing: the chunk observed when ``play`` actions of the
+    current one are out arrives ``delay`` steps later, the current one plays on meanwhile,
+    and the new one starts at its action ``delay`` (the earlier ones are past), as the node
+    plays a chunk from its observation's stamp. Before the first chunk, and past a chunk's
+    end, the robot holds (None)."""
+
+    def __init__(self, play: int, delay: int = 0):
+        if delay < 0 or (delay and delay >= play):
+            raise ValueError(f'--delay-steps must be in [0, {play}) for {play} actions a '
+                             f'chunk, got {delay}')
+        self.play, self.delay = play, delay
+        self.chunk, self.i = None, 0  # the chunk playing, and its next action
+        self.pending, self.wait = None, 0  # the chunk being computed, steps until it is out
+        self.asked = False
+
+    def due(self) -> bool:
+        """Whether to observe now."""
+        if self.pending is not None or self.asked:
+            return False
+        return self.chunk is None or self.i >= self.play
+
+    def got(self, chunk: np.ndarray):
+        self.asked = True
+        if self.delay:
+            self.pending, self.wait = chunk, self.delay
+        else:
+            self.chunk, self.i, self.asked = chunk, 0, False
+
+    def next(self) -> np.ndarray | None:
+        if self.pending is not None:
+            if self.wait == 0:
+                self.chunk, self.i, self.asked = self.pending, self.delay, False
+                self.pending = None
+            self.wait -= 1
+        if self.chunk is None or self.i >= len(self.chunk):
+            return None
+        self.i += 1
+        return np.array(self.chunk[self.i - 1], float)
 
 
 class Guard:
@@ -721,6 +764,10 @@ def main(argv=None) -> int:
     ap.add_argument('--denoise-steps', type=int, default=10)
     ap.add_argument('--play-steps', type=int, default=0, help='actions played per chunk; '
                     "0 = the checkpoint's n_action_steps (direct) / the node's default")
+    ap.add_argument('--delay-steps', type=int, default=0, metavar='D',
+                    help='direct path: each chunk arrives D steps after its observation (the '
+                    "ROS path's chunk age in steps), the previous one playing meanwhile; 0 = "
+                    'the scene waits for the model')
     ap.add_argument('--replan-after', type=int, default=0, metavar='N',
                     help="ROS path: the node's replan_after, the next frame once N actions of "
                     'the chunk are out (the direct path plays --play-steps, then re-plans); '

@@ -96,6 +96,33 @@ def test_eval_direct(tmp_path):
     assert not (out / 'node.log').exists()
 
 
+@pytest.mark.parametrize('delay', [0, 2])
+def test_the_direct_path_plays_chunks_as_the_node_times_them(delay):
+    # Chunk c's action i is 10 * c + i; play 4 a chunk. Without a delay: actions 0..3 of each
+    # chunk, observed as the last one ends. With 2 steps of delay, as the node plays a chunk
+    # from its observation's stamp: hold for the first chunk's 2 steps, play it from action
+    # 2; the next is observed once action 4 is out and arrives 2 steps later, the old chunk
+    # playing on (4, 5), and starts at its own action 2.
+    from oxygen_ros.sim.eval import Plan
+
+    plan, played, observed, c = Plan(4, delay), [], [], 0
+    for step in range(14):
+        if plan.due():
+            observed.append(step)
+            plan.got(np.array([[10.0 * c + i] for i in range(6)]))
+            c += 1
+        a = plan.next()
+        played.append(None if a is None else int(a[0]))
+    if delay == 0:
+        assert observed == [0, 4, 8, 12]
+        assert played == [0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 30, 31]
+    else:
+        assert observed == [0, 4, 8, 12]
+        assert played == [None, None, 2, 3, 4, 5, 12, 13, 14, 15, 22, 23, 24, 25]
+    with pytest.raises(ValueError, match='delay-steps'):
+        Plan(4, 4)
+
+
 @pytest.mark.parametrize('k, n, lo, hi', [(5, 10, 0.2366, 0.7634), (0, 50, 0.0, 0.0714),
                                           (50, 50, 0.9286, 1.0)])
 def test_wilson_intervals_are_the_textbooks(k, n, lo, hi):

@@ -212,8 +212,9 @@ def t_of_last(readings):
 
 def test_hold_after_deactivate_keeps_still_under_gravity(rig):
     """Deactivate: the node's last word on each controller is a hold at the measured
-    positions (a new one, or the one it was already holding with); from where that ends,
-    every joint stays at its target for 2 s of simulated time."""
+    positions, the grippers' at their setpoints (a new one, or the one it was already
+    holding with); from where that ends, every joint stays at its target for 2 s of
+    simulated time."""
     w = rig
     assert w.transition('deactivate'), w.log()
 

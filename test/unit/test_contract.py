@@ -197,7 +197,22 @@ def test_aloha_holds_read_the_controller_joint_from_the_arm_of_the_action():
     assert c.hold_sources[12] == ('right', 'wrist_rotate')
 
 
+@pytest.mark.parametrize('name, grippers', [('aloha.yaml', [6, 13]), ('droid.yaml', [7]),
+                                             ('sim.yaml', [7])])
+def test_the_shipped_robot_files_hold_their_grippers_at_the_setpoint(name, grippers):
+    import yaml
+
+    from oxygen_ros.robot.params import flatten
+
+    tree = yaml.safe_load((ROOT / 'config' / name).read_text())['/**']['ros__parameters']
+    keep = Config.from_values(flatten(tree)).hold_setpoint
+    assert np.flatnonzero(keep).tolist() == grippers
+    assert not Config.from_values(DROID).hold_setpoint.any()  # the default: the reading
+
+
 @pytest.mark.parametrize('change, message', [
+    ({'outputs.gripper.hold': 'setpiont'},
+     "outputs.gripper.hold must be one of reading, setpoint, got 'setpiont'"),
     ({'camera_slots': ['base_0_rgb']}, 'must have equal lengths'),
     ({'joints': ARM}, '7 joints listed but the droid profile takes a 8-d state'),
     ({'outputs.gripper.indices': [8]}, r'outputs.gripper.indices \[8\] outside the 8-d action'),

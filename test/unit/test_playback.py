@@ -116,6 +116,21 @@ def test_a_hold_mid_motion_targets_the_setpoint_not_the_last_reading():
     np.testing.assert_allclose(ahead.positions[0], [2.5, 5.0])
 
 
+def test_a_gripper_stalled_on_an_object_is_held_at_its_setpoint():
+    # Joint 1 is a gripper commanded closed (0.0) that stopped at 0.3 on the object it
+    # holds; joint 0 an arm at rest at 2. Holding the gripper at its reading would end the
+    # squeeze: the object drops (MuJoCo's ALOHA drops the cube so). With keep, it is held
+    # where it was commanded; the arm is held as before.
+    closed = make_chunk(0.0, 0.1, [[2.0, 0.0], [2.0, 0.0], [2.0, 0.0]])
+    for keep, want in ((None, [2.0, 0.3]), (np.array([False, True]), [2.0, 0.0])):
+        p = Player(horizon=1.0, hold_after=0.02, keep=keep)
+        p.play(closed)
+        p.tick(0.05, hold_at=read_at(0.05, (2.0, 0.3)))
+        cmd = p.tick(0.35, hold_at=read_at(0.34, (2.0, 0.3)))
+        assert cmd.hold == 'action chunk used up before the next one arrived'
+        np.testing.assert_allclose(cmd.positions, [want])
+
+
 def test_a_hold_before_anything_was_sent_takes_a_fresh_reading_or_nothing():
     p = Player(horizon=1.0, hold_after=0.02)
     p.play(ramp(n=1, stamp=0.0))  # its one action is already due at 0.05: nothing to play
