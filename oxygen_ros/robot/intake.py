@@ -185,8 +185,18 @@ class Intake:
             recent = list(self.latency)[-10:]
             delay = math.ceil(max(recent) / chunk.period) if recent else 0
         self.rtc_delay = delay
-        # The same motion in this frame's terms (delta actions are relative to the state).
-        previous = self.cfg.profile.rebase(chunk.actions, chunk.state, state)
+        # The same motion in this frame's terms (delta actions are relative to the state),
+        # and as it is sent: clamped into the joint limits. Guided towards targets past a
+        # limit, which the robot never reaches, each chunk went further past it than the
+        # last until the node held the robot.
+        profile = self.cfg.profile
+        previous = profile.rebase(chunk.actions, chunk.state, state)
+        lim = self.cfg.limits
+        if lim is not None:
+            moved = np.clip(chunk.positions, lim.lower, lim.upper) - chunk.positions
+            if np.any(moved):
+                shifted = profile.shifted(previous, moved)
+                previous = previous if shifted is None else shifted
         return Handover(start, delay, previous)
 
     def _went_stale(self):

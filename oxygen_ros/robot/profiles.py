@@ -59,6 +59,14 @@ class Profile:
         self._state(new)
         return self._actions(actions)
 
+    def shifted(self, actions: np.ndarray, moved: np.ndarray) -> np.ndarray | None:
+        """Model actions whose targets (decoded from any one state) are those of `actions`
+        moved by `moved` ([H, action_dim], robot units), or None where the profile's map is
+        not a shift. Real-time chunking guides towards the targets the robot was sent,
+        clamped into its joint limits, not those the model asked for. This base (and
+        Identity) maps actions to targets one to one."""
+        return self._actions(actions) + np.asarray(moved, dtype=np.float64)
+
     @property
     def reanchors(self) -> bool:
         """Whether this profile's targets depend on where the robot is (see reanchor)."""
@@ -208,6 +216,16 @@ class Aloha(Profile):
             self._state(new)
         return a
 
+    def shifted(self, actions: np.ndarray, moved: np.ndarray) -> np.ndarray | None:
+        # The arms' map is a shift (and a sign); the grippers' is not, and they keep the
+        # model's value (aloha.yaml gives them no position limits to clamp into).
+        a = self._actions(actions)
+        m = np.asarray(moved, dtype=np.float64)
+        if self.adapt_to_pi:
+            m = ALOHA_FLIP * m
+        a[:, ALOHA_ARMS] += m[:, ALOHA_ARMS]
+        return a
+
     def decode_actions(self, actions: np.ndarray, state: np.ndarray) -> np.ndarray:
         a = self._actions(actions)
         if self.delta:
@@ -329,6 +347,15 @@ class Droid(Profile):
         if self.binarize_gripper:
             g = (g > 0.5).astype(np.float64)
         a[:, 7] = _unnormalize(g, self.gripper_open, self.gripper_closed)
+        return a
+
+    def shifted(self, actions: np.ndarray, moved: np.ndarray) -> np.ndarray | None:
+        # A velocity's target is the sum of those before it, and the gripper is binarised:
+        # only joint positions (absolute or delta) shift.
+        if self.velocity:
+            return None
+        a = self._actions(actions)
+        a[:, :7] += np.asarray(moved, dtype=np.float64)[:, :7]
         return a
 
     def rebase(self, actions: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:

@@ -264,6 +264,30 @@ def test_rebase_commands_the_same_targets_from_the_new_state(profile):
         profile.rebase(a, old[:-1], new)
 
 
+@pytest.mark.parametrize('profile, dims', [
+    (Identity(8), list(range(8))), (Aloha(), [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12]),
+    (Aloha(adapt_to_pi=False, delta=False), [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12]),
+    (Droid(velocity=False), list(range(7))), (Droid(velocity=False, delta=True), list(range(7))),
+    (Droid(), [])], ids=['identity', 'aloha', 'aloha-plain', 'droid-position', 'droid-delta',
+                         'droid'])
+def test_shifted_actions_decode_to_the_moved_targets(profile, dims):
+    # Real-time chunking guides towards the targets sent, clamped into the joint limits:
+    # the actions that decode (from any state) to the targets moved by that much.
+    rng = np.random.default_rng(5)
+    state = rng.uniform(-1, 1, profile.state_dim)
+    if isinstance(profile, Aloha):
+        state[[6, 13]] = 0.03
+    a = rng.uniform(-0.9, 0.9, (10, profile.action_dim))
+    moved = np.zeros((10, profile.action_dim))
+    moved[:, dims] = rng.uniform(-0.5, 0.5, (10, len(dims)))
+    b = profile.shifted(a, moved)
+    if not dims:
+        assert b is None  # velocities: a clamped target is not one action moved
+        return
+    np.testing.assert_allclose(profile.decode_actions(b, state),
+                               profile.decode_actions(a, state) + moved, atol=1e-12)
+
+
 def test_rebase_keeps_droid_velocities():
     # A velocity is a velocity wherever the arm is: the same numbers, so the executed
     # (re-anchored) steps stay the same.

@@ -223,6 +223,47 @@ def test_a_dim_constant_in_training_is_left_unguided():
     np.testing.assert_allclose(a[:3, others], given[4:7, others], atol=1e-5)
 
 
+def test_the_node_guides_towards_the_targets_it_sent_clamped_into_the_limits():
+    # The ALOHA of aloha.yaml, its right wrist_angle (action 11) asked 0.4 rad past its
+    # upper limit: the node clamps the target and the robot never gets there. The chunk the
+    # next one is guided towards is the clamped one, expressed for the new state; guided
+    # towards the model's own targets, each chunk went further past the limit than the last.
+    import threading
+    from types import SimpleNamespace
+
+    import yaml
+    from support.paths import ROOT
+
+    from oxygen_ros.robot.contract import Config
+    from oxygen_ros.robot.intake import Intake
+    from oxygen_ros.robot.params import flatten
+    from oxygen_ros.robot.playback import Player
+
+    tree = yaml.safe_load((ROOT / 'config' / 'aloha.yaml').read_text())['/**']['ros__parameters']
+    cfg = Config.from_values({**flatten(tree), 'rtc': True})
+    profile, upper = cfg.profile, cfg.limits.upper[11]
+    intake = Intake(cfg, SimpleNamespace(assembler=None), None, lambda: 0.0, None, None,
+                    [0.05], threading.Lock())
+    intake.player = Player(1.0, limits=cfg.limits)
+    old = np.zeros(14)
+    old[[6, 13]] = 0.03  # fingers (m)
+    old[11] = upper - 0.1
+    actions = np.zeros((50, 14))
+    actions[:, 11] = np.linspace(0.0, 0.5, 50)  # delta: from 0.1 inside to 0.4 past it
+    chunk = intake.chunk(1.0, old, actions)
+    assert chunk.positions[:, 11].max() == pytest.approx(upper + 0.4)
+    intake.player.play(chunk)
+    new = old.copy()
+    new[11] = upper - 0.02
+    ho = intake.handover(1.0 + 20 * cfg.action_period, new)
+    assert (ho.start, ho.delay) == (20, 3)
+    got = profile.decode_actions(ho.previous, new)
+    want = np.clip(chunk.positions, cfg.limits.lower, cfg.limits.upper)
+    np.testing.assert_allclose(got[:, :6], want[:, :6], atol=1e-12)
+    np.testing.assert_allclose(got[:, 7:13], want[:, 7:13], atol=1e-12)
+    assert got[:, 11].max() == pytest.approx(upper)
+
+
 def test_rtc_bench_writes_its_table(tmp_path):
     from oxygen_ros.bench import rtc as rtc_bench
 
