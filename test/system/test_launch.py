@@ -114,14 +114,16 @@ def test_same_executables_params_and_remaps_talk(tmp_path):
              subprocess.Popen([str(lib / 'oxygen_sim_robot'), *ros],
                               stdout=logs[1], stderr=subprocess.STDOUT, env=node_env(domain))]
     try:
+        # 4 s: what is checked is that they talk, not how fast (docs/benchmarks.md has the
+        # rates); on a machine whose hypervisor took half the CPU 2 s held 65.
         n, texts = listen(domain, '/lt/fr3_arm_controller/joint_trajectory',
-                          '/lt/oxygen_node/narration/text', 2.0)
+                          '/lt/oxygen_node/narration/text', 4.0)
     finally:
         codes = stop(procs)
         for f in logs:
             f.close()
     node_log = (tmp_path / 'node.log').read_text()
-    assert n >= 70, f'{n} trajectories in 2 s:\n{node_log[-3000:]}'
+    assert n >= 70, f'{n} trajectories in 4 s:\n{node_log[-3000:]}'
     assert texts, 'no narration'
     assert codes == [0, 0], (codes, node_log[-3000:])
     assert 'Traceback' not in node_log
@@ -139,7 +141,7 @@ def test_ros2_launch_sim(tmp_path):
         stdout=log, stderr=subprocess.STDOUT, env=node_env(domain))
     try:
         n, _ = listen(domain, '/lt/fr3_arm_controller/joint_trajectory',
-                      '/lt/oxygen_node/narration/text', 2.0)
+                      '/lt/oxygen_node/narration/text', 4.0)  # as above
     finally:
         codes = stop([proc])
         log.close()
