@@ -11,8 +11,7 @@ import os
 
 import numpy as np
 import pytest
-import yaml
-from support.paths import ROOT  # noqa: E402
+from support.robots import robot_config  # noqa: E402
 
 os.environ.setdefault('MUJOCO_GL', 'egl')
 pytest.importorskip('gym_aloha', reason='the simulator is not installed (tools/ws.sh sim-setup)')
@@ -22,8 +21,6 @@ from oxygen_ros.robot.aloha import (  # noqa: E402
     gripper_from_finger,
     normalized_from_gripper,
 )
-from oxygen_ros.robot.contract import Config  # noqa: E402
-from oxygen_ros.robot.params import flatten  # noqa: E402
 from oxygen_ros.robot.playback import Player, make_chunk  # noqa: E402
 from oxygen_ros.sim.aloha_sim import DT, AlohaSim  # noqa: E402
 from oxygen_ros.sim.demos import Kinematics, Observer, plan_actions  # noqa: E402
@@ -32,10 +29,6 @@ GRIPPERS = [6, 13]
 LIFTED = 200  # the script's lifting phase: the cube is in the right gripper, in the air
 HOLD_STEPS = 25  # 0.5 s
 
-
-def aloha_keep() -> np.ndarray:
-    tree = yaml.safe_load((ROOT / 'config' / 'aloha.yaml').read_text())['/**']['ros__parameters']
-    return Config.from_values(flatten(tree)).hold_setpoint
 
 
 def servo(actions: np.ndarray) -> np.ndarray:
@@ -78,7 +71,7 @@ def held_after_a_hold(keep) -> dict:
 
 
 def test_a_hold_keeps_the_cube_in_the_gripper():
-    keep = aloha_keep()
+    keep = robot_config('aloha.yaml').hold_setpoint
     assert np.flatnonzero(keep).tolist() == GRIPPERS
     after = held_after_a_hold(keep)
     assert after['cube_in_right'] and after['cube_lifted'], after

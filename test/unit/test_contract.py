@@ -200,12 +200,9 @@ def test_aloha_holds_read_the_controller_joint_from_the_arm_of_the_action():
 @pytest.mark.parametrize('name, grippers', [('aloha.yaml', [6, 13]), ('droid.yaml', [7]),
                                              ('sim.yaml', [7])])
 def test_the_shipped_robot_files_hold_their_grippers_at_the_setpoint(name, grippers):
-    import yaml
+    from support.robots import robot_config
 
-    from oxygen_ros.robot.params import flatten
-
-    tree = yaml.safe_load((ROOT / 'config' / name).read_text())['/**']['ros__parameters']
-    keep = Config.from_values(flatten(tree)).hold_setpoint
+    keep = robot_config(name).hold_setpoint
     assert np.flatnonzero(keep).tolist() == grippers
     assert not Config.from_values(DROID).hold_setpoint.any()  # the default: the reading
 

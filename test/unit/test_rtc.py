@@ -231,16 +231,12 @@ def test_the_node_guides_towards_the_targets_it_sent_clamped_into_the_limits():
     import threading
     from types import SimpleNamespace
 
-    import yaml
-    from support.paths import ROOT
+    from support.robots import robot_config
 
-    from oxygen_ros.robot.contract import Config
     from oxygen_ros.robot.intake import Intake
-    from oxygen_ros.robot.params import flatten
     from oxygen_ros.robot.playback import Player
 
-    tree = yaml.safe_load((ROOT / 'config' / 'aloha.yaml').read_text())['/**']['ros__parameters']
-    cfg = Config.from_values({**flatten(tree), 'rtc': True})
+    cfg = robot_config('aloha.yaml', rtc=True)
     profile, upper = cfg.profile, cfg.limits.upper[11]
     intake = Intake(cfg, SimpleNamespace(assembler=None), None, lambda: 0.0, None, None,
                     [0.05], threading.Lock())
