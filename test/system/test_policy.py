@@ -94,9 +94,14 @@ def test_a_relative_checkpoint_narrates_and_answers_through_ros(tmp_path):
 DIRECT_SEEDS, DIRECT_SUCCESSES = 10, 5
 # Through ROS (replan_after 45; not deterministic: the frames fall where the node's timing
 # puts them) seed 0 succeeded in all six 50-seed runs of the model card and docs/simulation.md
-# (with and without narration), seed 1 in four, seed 2 in one: at least one of the three
-# must succeed.
-ROS_SEED, ROS_EPISODES, ROS_SUCCESSES = 0, 3, 1
+# (with and without narration), seed 1 in four, seed 2 in one; over 50 seeds about half
+# succeed. At least one of seeds 0..4 must: were each an even chance, all five would fail
+# one run in 32, and seed 0 is better than even. Those runs paced the simulator so that a chunk started playing about 60 ms
+# of simulated time after its frame; unpaced on a CI machine 1.5 times slower than ours the
+# chunks were 100-120 ms late and seeds 0 and 1 lifted the cube but never handed it over.
+# The floor is about the chain from checkpoint to joints, not the CPU's speed: the simulator
+# runs at half real time (ROS_PACE), so a slower machine gets the same latency in sim time.
+ROS_SEED, ROS_EPISODES, ROS_SUCCESSES, ROS_PACE = 0, 5, 1, 0.5
 # The ALOHA robot file with the right arm's shoulder and elbow swapped in its joint list: each
 # reads the other's angle, and the delta actions are added to the wrong one.
 SWAPPED = """oxygen_node:
@@ -127,7 +132,7 @@ def rewards(report):
 
 
 def test_it_transfers_the_cube_through_ros(tmp_path):
-    report = ros_run(tmp_path)
+    report = ros_run(tmp_path, '--real-time-factor', str(ROS_PACE))
     assert report['successes'] >= ROS_SUCCESSES, rewards(report)
 
 
