@@ -38,6 +38,7 @@ class Control:
         self._timer = None  # control under use_sim_time
         self._jumps = None  # JumpWatch on the system clock, None under simulated time
         self._jump_handle = None  # rcl's jump callback under simulated time
+        self._jump_lock = threading.Lock()
         self._tick_failures = 0
         self._sent_cmd = None  # (monotonic time, times, positions) of the last command sent
 
@@ -50,18 +51,10 @@ class Control:
         self._stop = threading.Event()
         self.link.intake.checked = 0.0
         self._tick_failures = 0
-        # Clock jumps: rcl reports those of simulated time; the system clock's are found by
-        # comparing it with the monotonic clock every tick.
-        forward = self.link.cfg.p.max_input_age
-        self._jumps = None if sim_time else JumpWatch(forward)
-        if sim_time:
-            from rclpy.clock import JumpThreshold
-            from rclpy.duration import Duration
-
-            self._jump_handle = self.link.node.get_clock().create_jump_callback(
-                JumpThreshold(min_forward=Duration(seconds=forward),
-                              min_backward=Duration(seconds=-BACK_S), on_clock_change=True),
-                post_callback=self._on_jump)
+        # Clock jumps: rcl reports those of simulated time (from the first tick on:
+        # _sim_tick); the system clock's are found by comparing it with the monotonic clock
+        # every tick.
+        self._jumps = None if sim_time else JumpWatch(self.link.cfg.p.max_input_age)
         # What came while inactive, so the first frame is not judged on old readings.
         self.link._take_joints()
         if sim_time:
@@ -69,7 +62,7 @@ class Control:
 
             self._tick_clock = self.link.now
             self._timer = self.link.node.create_timer(
-                1.0 / self.link.cfg.p.control_rate_hz, self.tick,
+                1.0 / self.link.cfg.p.control_rate_hz, self._sim_tick,
                 callback_group=MutuallyExclusiveCallbackGroup())
         else:
             self._tick_clock = time.monotonic
@@ -77,12 +70,34 @@ class Control:
                                             name='control', daemon=True)
             self._thread.start()
 
+    def _sim_tick(self):
+        # rcl judges a jump against the last /clock the node read, and it reads none while an
+        # activation holds its executor (the commander check listens up to commander_check
+        # s): all the simulated time that passed meanwhile would come as one false jump.
+        # A timer on simulated time first fires once /clock has been read again.
+        if self._jump_handle is None:
+            self._watch_jumps()
+        self.tick()
+
+    def _watch_jumps(self):
+        from rclpy.clock import JumpThreshold
+        from rclpy.duration import Duration
+
+        with self._jump_lock:
+            if self._stop.is_set():  # stop() ran meanwhile: nothing to watch for
+                return
+            self._jump_handle = self.link.node.get_clock().create_jump_callback(
+                JumpThreshold(min_forward=Duration(seconds=self.link.cfg.p.max_input_age),
+                              min_backward=Duration(seconds=-BACK_S), on_clock_change=True),
+                post_callback=self._on_jump)
+
     def stop(self, wait: float = 10.0):
         """End the control loop, waiting up to ``wait`` s for its thread."""
-        self._stop.set()
-        if self._jump_handle is not None:
-            self._jump_handle.unregister()
-            self._jump_handle = None
+        with self._jump_lock:
+            self._stop.set()
+            if self._jump_handle is not None:
+                self._jump_handle.unregister()
+                self._jump_handle = None
         if self._timer is not None:
             self.link.node.destroy_timer(self._timer)
             self._timer = None

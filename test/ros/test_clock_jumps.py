@@ -72,6 +72,14 @@ def commanding(sim):
     return keeps_commanding(sim.traj, RATE, lambda: sim.proc.poll() is None)
 
 
+def test_activating_is_no_clock_jump(sim):
+    """The first activation listens for another commander for up to commander_check s
+    (3 s after the node starts) while /clock runs on: the time that passed meanwhile is no
+    jump, and the robot is commanded from the first frame without a hold."""
+    assert 'active: commanding' in sim.log(), sim.log()[-3000:]
+    assert 'jumped' not in sim.log(), sim.log()[-3000:]
+
+
 def test_a_backward_jump_then_silent_inputs_holds_the_robot(sim):
     assert commanding(sim), sim.log()[-2000:]
     mark = len(sim.log())

@@ -96,11 +96,11 @@ DIRECT_SEEDS, DIRECT_SUCCESSES = 10, 5
 # puts them) seed 0 succeeded in all six 50-seed runs of the model card and docs/simulation.md
 # (with and without narration), seed 1 in four, seed 2 in one; over 50 seeds about half
 # succeed. At least one of seeds 0..4 must: were each an even chance, all five would fail
-# one run in 32, and seed 0 is better than even. Those runs paced the simulator so that a chunk started playing about 60 ms
-# of simulated time after its frame; unpaced on a CI machine 1.5 times slower than ours the
-# chunks were 100-120 ms late and seeds 0 and 1 lifted the cube but never handed it over.
-# The floor is about the chain from checkpoint to joints, not the CPU's speed: the simulator
-# runs at half real time (ROS_PACE), so a slower machine gets the same latency in sim time.
+# one run in 32, and seed 0 is better than even. On a CI machine 1.5 times slower than ours,
+# unpaced, chunks played 100-120 ms after their frame (60 ms here) and seeds 0..2 never
+# handed the cube over. The floor is about the chain from checkpoint to joints, not the CPU's
+# speed: the simulator runs at half real time (ROS_PACE), so a slower machine gets about the
+# same latency in simulated time.
 ROS_SEED, ROS_EPISODES, ROS_SUCCESSES, ROS_PACE = 0, 5, 1, 0.5
 # The ALOHA robot file with the right arm's shoulder and elbow swapped in its joint list: each
 # reads the other's angle, and the delta actions are added to the wrong one.
