@@ -28,12 +28,15 @@ writes them; observation t is the state before action t):
   /observations/qvel [T, 14]   their velocities (gripper per unit of the normalised range)
   /observations/images/<cam> [T, H, W, 3] uint8 for each camera asked for
   /action [T, 14]              the joint targets and normalised gripper commands played
-  attrs: sim=True, task, prompt, seed, cube_pose (gym-aloha's sampled pose: xyz, quat wxyz),
+  attrs: sim=True, task, prompt, seed, source ('script'; 'policy' for the closed-loop
+         episodes oxygen-eval --direct --record writes in this layout), cube_pose
+         (gym-aloha's sampled pose: xyz, quat wxyz),
          dt, max_reward, final_reward, success_step (the first action after which the
          reward is 4)
 and per step, for language training (outside /observations, where converters look for
 cameras):
   /language/phase [T] str      the script's phase of action t, one of PHASES in that order
+                               (a policy's episode: closed_loop_phase, from the scene)
   /language/cube_in_left [T], cube_in_right [T], cube_lifted [T] bool: the state at
                                observation t (contacts and positions, not the script's intent);
                                each dataset's `question` attribute is the yes/no question.
@@ -404,6 +407,21 @@ def phases_for(facts: dict[str, bool]) -> tuple[str, ...]:
     return tuple(p for p, _ in PHASES if agree[p])
 
 
+def closed_loop_phase(step: int, facts: dict[str, bool]) -> str:
+    """What a step of a policy's own episode is narrated as, for training: the script's
+    phase at that step when the scene agrees with it, else the agreeing phase nearest to it
+    in PHASES' order (the earlier of two as near): a grasp that closed on air is still
+    'grasping the cube' when the script's clock says 'lifting'. When no phase agrees (the
+    cube in the left gripper on the table, say), the script's."""
+    names = [p for p, _ in PHASES]
+    clock = phase_names()[min(step, STEPS - 1)]
+    agree = phases_for(facts)
+    if not agree or clock in agree:
+        return clock
+    at = names.index(clock)
+    return min(agree, key=lambda p: (abs(names.index(p) - at), names.index(p)))
+
+
 def held_problem(trace: list[dict], names: dict[int, str], left: set[int]) -> str:
     """'' when, through the trace (the last steps), the cube is in the air, held by the left
     gripper with nothing else touching it, and moves with that gripper; else what was
@@ -438,6 +456,10 @@ class Episode:
     images: dict[str, np.ndarray] = field(default_factory=dict)
     problem: str = ''  # '' = a success
     wall_s: float = 0.0
+    # Who chose the actions: 'script' (phases: the script's timeline) or 'policy' (a closed
+    # loop oxygen-eval --record kept; phases: closed_loop_phase of each step).
+    source: str = 'script'
+    phases: list[str] | None = None
 
     @property
     def success(self) -> bool:
@@ -547,6 +569,7 @@ def write(path: Path, ep: Episode, compression: str | None = 'gzip'):
         f.attrs['task'] = 'transfer_cube'
         f.attrs['prompt'] = PROMPT
         f.attrs['seed'] = ep.seed
+        f.attrs['source'] = ep.source
         f.attrs['cube_pose'] = ep.cube_pose
         f.attrs['dt'] = DT
         f.attrs['max_reward'] = max(ep.rewards)
@@ -562,7 +585,7 @@ def write(path: Path, ep: Episode, compression: str | None = 'gzip'):
             images.create_dataset(cam, data=frames, chunks=(1, *frames.shape[1:]), **opts)
         f.create_dataset('action', data=ep.action)
         lang = f.create_group('language')
-        phases = lang.create_dataset('phase', data=phase_names(len(ep.action)),
+        phases = lang.create_dataset('phase', data=ep.phases or phase_names(len(ep.action)),
                                      dtype=h5py.string_dtype())
         phases.attrs['phases'] = [p for p, _ in PHASES]
         for k, q in QUESTIONS.items():
@@ -599,18 +622,31 @@ def check(path: Path) -> list[str]:
                 bad.append(f'/observations/images/{c} is {d.shape} {d.dtype}, not '
                            f'({n}, H, W, 3) uint8')
         g = np.asarray(f['action'][:, [6, 13]])
-        if g.size and (g.min() < 0 or g.max() > 1):
+        # A policy's commands are stored as played, and a policy may ask a little past ACT's
+        # range (the shipped one up to 1.02).
+        if g.size and (g.min() < 0 or g.max() > 1) and f.attrs.get('source') != 'policy':
             bad.append('action grippers outside 0..1 (ACT: normalised)')
-        if 'language/phase' not in f:
-            bad.append('no /language/phase')
-        else:
-            got = [s.decode() if isinstance(s, bytes) else s for s in f['language/phase'][:]]
-            if got != phase_names(n):
-                bad.append('/language/phase does not follow PHASES in order')
         for k in QUESTIONS:
             d = f.get(f'language/{k}')
             if d is None or d.shape != (n,) or d.dtype != np.bool_:
                 bad.append(f'/language/{k} missing or not ({n},) bool')
+        source = str(f.attrs.get('source', 'script'))
+        if 'language/phase' not in f:
+            bad.append('no /language/phase')
+        elif source not in ('script', 'policy'):
+            bad.append(f"attribute source is {source!r}, not 'script' or 'policy'")
+        else:
+            got = [s.decode() if isinstance(s, bytes) else s for s in f['language/phase'][:]]
+            if source == 'script' and got != phase_names(n):
+                bad.append('/language/phase does not follow PHASES in order')
+            if source == 'policy' and not bad:
+                facts = {k: f[f'language/{k}'][()] for k in QUESTIONS}
+                want = [closed_loop_phase(t, {k: bool(v[t]) for k, v in facts.items()})
+                        for t in range(n)]
+                wrong = [t for t in range(n) if got[t] != want[t]]
+                if wrong:
+                    bad.append(f'/language/phase at step {wrong[0]} is {got[wrong[0]]!r}, '
+                               f'the scene says {want[wrong[0]]!r} ({len(wrong)} steps)')
     return bad
 
 

@@ -40,7 +40,17 @@ from oxygen_ros.robot.aloha import ARM_JOINTS, CAMERAS, gripper_from_finger, nor
 from oxygen_ros.robot.share import config_dir
 from oxygen_ros.robot.stamps import seconds
 from oxygen_ros.sim.aloha_sim import DT, SUCCESS_REWARD, Unstable
-from oxygen_ros.sim.demos import ANSWERS, QUESTIONS, Observer, phases_for, transferred
+from oxygen_ros.sim.demos import (
+    ANSWERS,
+    QUESTIONS,
+    Episode,
+    Observer,
+    closed_loop_phase,
+    observe,
+    phases_for,
+    transferred,
+    write,
+)
 
 ENVS = {'aloha-insertion': 'insertion', 'aloha-transfer-cube': 'transfer_cube'}
 LIFT_REWARD = 2  # gym-aloha's transfer-cube: 2 = the cube lifted in the right gripper
@@ -272,17 +282,22 @@ def direct(args, task: str, out: Path) -> list[dict]:
     guard = Guard(p['joint_limits'])
     observer = None
     episodes = []
+    if args.record:
+        Path(args.record).mkdir(parents=True, exist_ok=True)
     for i in range(args.episodes):
         seed = args.seed + i
         sim.reset(seed)
         if task == 'transfer_cube' and observer is None:
             observer = Observer(sim)
+        rec = Recording(sim, observer, tuple(slots)) if args.record else None
         t0 = time.monotonic()
         rewards, frames = [], []
         guard.start(sim.state())
         plan = Plan(play, args.delay_steps)
         unstable = ''
         for k in range(args.steps):
+            if rec is not None:
+                rec.observe()
             if plan.due():
                 state = sim.state()
                 obs = Observation(stamp=sim.time,
@@ -293,6 +308,8 @@ def direct(args, task: str, out: Path) -> list[dict]:
             a = plan.next()
             a = guard(guard.last if a is None else a)
             a[[6, 13]] = normalized_from_gripper(a[[6, 13]])  # servo angle -> gym's 0..1
+            if rec is not None:
+                rec.action.append(a.astype(np.float32))
             try:
                 rewards.append(sim.step(a))
             except Unstable as e:  # the episode fails; the next one starts afresh
@@ -305,10 +322,50 @@ def direct(args, task: str, out: Path) -> list[dict]:
         facts = observer.facts() if observer is not None else None
         episodes.append(episode_result(seed, rewards, wall, len(frames), video, facts))
         episodes[-1]['unstable'] = unstable
+        if rec is not None and not unstable:
+            rec.write(Path(args.record) / f'episode_{i}.hdf5', seed, rewards)
         note = f' ({unstable})' if unstable else ''
         print(f'oxygen-eval: direct episode {i + 1}/{args.episodes} seed {seed}: max reward '
               f'{max(rewards, default=0):g}, {wall:.1f} s{note}', flush=True)
     return episodes
+
+
+class Recording:
+    """A direct episode in oxygen-demos' layout (--record), so that oxygen-train can learn
+    from the policy's own closed loop: the states it reaches, its failures included. Each
+    step's observation is the state before its action; the narration target is
+    demos.closed_loop_phase of that step, from the scene (not the script's clock alone)."""
+
+    def __init__(self, sim, observer: Observer | None, cams: tuple[str, ...]):
+        if observer is None:
+            raise RuntimeError('--record: only transfer-cube has the facts its language needs')
+        self.sim, self.observer, self.cams = sim, observer, cams
+        self.pose = observer.pose()  # as the reset set it
+        self.qpos, self.qvel, self.action = [], [], []
+        self.images = {c: [] for c in cams}
+        self.answers = {k: [] for k in QUESTIONS}
+
+    def observe(self):
+        q, v = observe(self.sim)
+        self.qpos.append(q)
+        self.qvel.append(v)
+        for k, v in self.observer.answers().items():
+            self.answers[k].append(v)
+        for c in self.cams:
+            self.images[c].append(self.sim.render(c))
+
+    def write(self, path: Path, seed: int, rewards: list[float]):
+        n = len(self.action)
+        answers = {k: np.array(v[:n], bool) for k, v in self.answers.items()}
+        phases = [closed_loop_phase(t, {k: bool(v[t]) for k, v in answers.items()})
+                  for t in range(n)]
+        success = max(rewards, default=0) >= SUCCESS_REWARD
+        write(path, Episode(seed, self.pose, np.array(self.qpos[:n], np.float32),
+                            np.array(self.qvel[:n], np.float32),
+                            np.array(self.action, np.float32), rewards, answers,
+                            {CAMERAS[c]: np.stack(v[:n]) for c, v in self.images.items()},
+                            '' if success else f'max reward {max(rewards, default=0):g}',
+                            source='policy', phases=phases))
 
 
 def open_loop(args, out: Path) -> dict:
@@ -794,6 +851,10 @@ def main(argv=None) -> int:
     ap.add_argument('--domain', default=None, help='ROS_DOMAIN_ID for the ROS path')
     ap.add_argument('--startup-timeout', type=float, default=180.0)
     ap.add_argument('--no-video', dest='video', action='store_false')
+    ap.add_argument('--record', default='', metavar='DIR',
+                    help="direct path, transfer-cube: each episode into DIR in oxygen-demos' "
+                         'layout (source: policy), its narration targets from the scene, for '
+                         "oxygen-train's language stage")
     ap.add_argument('--open-loop', default='', metavar='DIR',
                     help="instead of closed loop: the policy's chunks against the recorded "
                          "targets of DIR's episodes (oxygen-demos') it was not trained on, "
@@ -804,11 +865,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.episodes < 1 or args.steps < 1:
         ap.error('--episodes and --steps must be >= 1')
+    if args.record and not args.direct:
+        ap.error('--record records the direct path: give --direct')
+    if args.record and args.env != 'aloha-transfer-cube':
+        ap.error('--record: only aloha-transfer-cube has the facts its language needs')
     if args.model is None:
         args.model = '' if args.checkpoint else 'small'
     # The node runs in the report directory (see Processes.start): paths given from here
     # must not depend on this working directory.
-    for key in ('checkpoint', 'tokenizer', 'model'):
+    for key in ('checkpoint', 'tokenizer', 'model', 'record'):
         value = getattr(args, key)
         if value and (key != 'model' or Path(value).suffix in ('.yaml', '.yml')
                       or Path(value).is_file()):

@@ -328,3 +328,24 @@ def test_the_hold_check_wants_a_cube_moving_with_the_gripper():
     assert 'slipped 4.0 mm' in demos.held_problem(
         trace(rel=lambda k: np.array([0.14, 0.0, -0.004 * k / 24])), names, left)
     assert 'no proof' in demos.held_problem(trace(grip=lambda k: np.zeros(3)), names, left)
+
+
+def test_a_closed_loop_step_is_named_by_the_scene():
+    """closed_loop_phase, the narration target of a policy's own episode: the script's phase
+    when the scene agrees with it, else the agreeing phase nearest to it in order, and the
+    script's when none agrees."""
+    def facts(left, right, up):
+        return {'cube_in_left': left, 'cube_in_right': right, 'cube_lifted': up}
+
+    name = demos.closed_loop_phase
+    assert name(50, facts(False, False, False)) == 'reaching for the cube'
+    assert name(180, facts(False, True, True)) == 'lifting the cube'  # as the script
+    # A grasp that closed on air, the arm lifting: still grasping (reaching is farther).
+    assert name(180, facts(False, False, False)) == 'grasping the cube'
+    # The hand-over due, the cube still in the right gripper alone, in the air.
+    assert name(300, facts(False, True, True)) == 'handing the cube over'
+    # Dropped during the hand-over: not on the table yet, in no gripper.
+    assert name(260, facts(False, False, True)) == 'reaching for the cube'
+    # In the left gripper on the table: no phase agrees, the script's stands.
+    assert name(380, facts(True, False, False)) == 'holding the cube'
+    assert name(10_000, facts(True, False, True)) == 'holding the cube'  # past the timeline

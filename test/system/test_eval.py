@@ -206,3 +206,40 @@ def test_the_ros_path_asks_one_question_at_a_time_in_turn():
     a.unanswered()  # refused
     assert a.end() == ([(0.0, first, 'no')], 2)
     assert a.due(1, 175, False) is None  # ended: no more questions
+
+
+def test_the_direct_path_records_its_episodes_in_the_demos_layout(tmp_path):
+    """--record: each direct episode in oxygen-demos' layout (source: policy), which
+    oxygen-demos --check passes (its phases those the scene's facts give); its /action
+    replayed in a fresh scene of the same seed gives its observations (the actions are stored
+    as float32, the loop played them as float64: within 1e-4), and its first picture is the
+    scene's at the reset."""
+    from oxygen_ros.sim import demos
+    from oxygen_ros.sim.aloha_sim import AlohaSim
+
+    h5py = pytest.importorskip('h5py')
+    rec = tmp_path / 'rec'
+    out, _ = run_eval(tmp_path, '--env', 'aloha-transfer-cube', '--direct', '--record',
+                      str(rec), '--no-video')
+    report = json.loads((out / 'direct_report.json').read_text())
+    files = sorted(rec.glob('episode_*.hdf5'))
+    assert [f.name for f in files] == ['episode_0.hdf5', 'episode_1.hdf5']
+    sim = AlohaSim('transfer_cube', 160, 120)
+    for path, e in zip(files, report['per_episode'], strict=True):
+        assert demos.check(path) == [], path
+        with h5py.File(path, 'r') as f:
+            assert f.attrs['source'] == 'policy' and f.attrs['seed'] == e['seed']
+            assert f.attrs['max_reward'] == e['max_reward']
+            assert f['observations/images/top'].shape == (STEPS, 120, 160, 3)
+            sim.reset(e['seed'])
+            np.testing.assert_array_equal(f['observations/images/top'][0],
+                                          sim.render('cam_high'))
+            qpos = []
+            for a in f['action'][:]:
+                qpos.append(demos.observe(sim)[0])
+                sim.step(a.astype(float))
+            np.testing.assert_allclose(np.array(qpos), f['observations/qpos'][:], atol=1e-4)
+    r = subprocess.run([sys.executable, '-m', 'oxygen_ros.sim.eval', '--env',
+                        'aloha-transfer-cube', '--record', str(rec)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and '--record records the direct path' in r.stderr
