@@ -3,7 +3,7 @@
 # the scripted demonstrations, then the stages of oxygen-train, each starting from the last
 # (docs/training.md says why each is there). About 3 hours on a 2-core CPU.
 #   tools/train_policy.sh OUT      (after `source install/setup.bash`)
-# The policy is OUT/runE/checkpoint; each stage resumes if run again (--resume).
+# The policy is OUT/runL/checkpoint; each stage resumes if run again (--resume).
 set -euo pipefail
 out=${1:?usage: tools/train_policy.sh OUT}
 mkdir -p "$out"
@@ -35,4 +35,12 @@ train runD --data demosA demosB --recipe "$share/config/train_transfer_cube_crop
 #    up to 3.5e-4 and down to 5e-5 again; AdamW's moments afresh).
 train runE --data demosA demosB --recipe "$share/config/train_transfer_cube_crop.yaml" \
   --steps 10000 --start-from runD/checkpoint
-echo "the policy: $out/runE/checkpoint"
+# 5. The language stage: the policy's own closed loop on 100 training seeds (failures
+#    included), its narration targets and answers from the scene; the readout alone trains,
+#    so every action stays what runE's were.
+[ -f rollouts/episode_99.hdf5 ] || ros2 run oxygen_ros oxygen_eval --env aloha-transfer-cube \
+  --direct --episodes 100 --seed 1000 --checkpoint runE/checkpoint --record rollouts --no-video \
+  --out rollouts_report
+train runL --data demosA rollouts --recipe "$share/config/train_transfer_cube_language.yaml" \
+  --init-from runE/checkpoint
+echo "the policy: $out/runL/checkpoint"

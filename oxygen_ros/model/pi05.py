@@ -78,6 +78,22 @@ class Pi05(Denoise, Decode, Reference, nn.Module):
         self._rope = self._head = None
         return self.eval().requires_grad_(False)
 
+    def readout_parameters(self) -> dict[str, torch.Tensor | None]:
+        """The weights only language reads: the last VLM layer past its keys and values (its
+        queries, its output and MLP) and the final norm. prefill writes every layer's keys
+        and values before these act, and the action expert reads only those, so changing
+        them cannot change an action (oxygen-train's language stage trains these alone).
+        name -> a mask of the entries that are readout (None: all of them)."""
+        last = len(self.vlm) - 1
+        blk = self.vlm[last]
+        queries = torch.zeros(blk.qkv.weight.shape, dtype=torch.bool)
+        queries[:blk.sizes[0]] = True  # qkv's rows are [q | k | v]
+        out = {f"vlm.{last}.qkv.weight": queries}
+        for name in ("o.weight", "norm2.weight", "gate_up.weight", "down.weight"):
+            out[f"vlm.{last}.{name}"] = None
+        out["vlm_norm.weight"] = None
+        return out
+
     def param_counts(self) -> dict[str, int]:
         groups = {"vision": self.vision, "projector": self.projector,
                   "vlm": [self.embed, self.vlm, self.vlm_norm],

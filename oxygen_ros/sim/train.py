@@ -92,6 +92,10 @@ class Recipe:
     save_every: int = 500
     seed: int = 0
     asset_id: str = 'aloha_sim'
+    # 'all', or 'language': the text loss alone, on the readout alone
+    # (Pi05.readout_parameters), from a trained policy (--init-from) and its norm stats: the
+    # narration and answers learn, every action stays what it was.
+    train: str = 'all'
 
     @classmethod
     def read(cls, path: Path, **over) -> Recipe:
@@ -105,6 +109,8 @@ class Recipe:
         recipe = cls(**data)
         # A run stops and resumes where it saved: there the losses since the last log line
         # must have been logged, or the resumed log would differ from an uninterrupted one.
+        if recipe.train not in ('all', 'language'):
+            raise ValueError(f"{path}: train is 'all' or 'language', got {recipe.train!r}")
         if recipe.save_every % recipe.log_every or recipe.val_every % recipe.log_every:
             raise ValueError(f'{path}: save_every and val_every must be multiples of '
                              f'log_every ({recipe.log_every})')
@@ -285,9 +291,10 @@ def flow_time(b: int, g: torch.Generator) -> torch.Tensor:
     return torch.rand(b, generator=g).pow(1.0 / 1.5) * 0.999 + 0.001
 
 
-def losses(model: Pi05, batch: dict, noise: torch.Tensor, t: torch.Tensor) -> dict:
+def losses(model: Pi05, batch: dict, noise: torch.Tensor, t: torch.Tensor,
+           flow: bool = True) -> dict:
     """Flow-matching MSE and text cross-entropy of one batch, through prefill, velocity and
-    extend_rows on one KV store sized for it."""
+    extend_rows on one KV store sized for it (flow=False: the text's alone)."""
     cfg = model.cfg
     b = batch['actions'].shape[0]
     n = batch['text'].shape[1]
@@ -295,10 +302,12 @@ def losses(model: Pi05, batch: dict, noise: torch.Tensor, t: torch.Tensor) -> di
     rows = slice(0, b)
     h = model.prefill(batch['images'], batch['image_mask'], batch['tokens'],
                       batch['token_mask'], kv, rows)
-    actions = batch['actions']
-    x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
-    v = model.velocity(kv, rows, x_t, t)
-    flow = F.mse_loss(v, noise - actions)
+    out = {}
+    if flow:
+        actions = batch['actions']
+        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+        v = model.velocity(kv, rows, x_t, t)
+        out['flow'] = F.mse_loss(v, noise - actions)
     # Text: the prefix's last hidden state predicts the first token after it; each appended
     # token's, the next. The velocity above has read the prefix already: the text goes into
     # a copy, so that nothing it read changes under autograd.
@@ -309,8 +318,8 @@ def losses(model: Pi05, batch: dict, noise: torch.Tensor, t: torch.Tensor) -> di
         hidden.append(model.extend_rows(text, rows, batch['text'][:, :-1]))
     logits = model.logits(torch.cat(hidden, 1).reshape(b * n, -1))
     mask = batch['text_mask'].reshape(-1)
-    ce = F.cross_entropy(logits[mask], batch['text'].reshape(-1)[mask])
-    return dict(flow=flow, text=ce)
+    out['text'] = F.cross_entropy(logits[mask], batch['text'].reshape(-1)[mask])
+    return out
 
 
 class Trainer:
@@ -339,22 +348,30 @@ class Trainer:
         if list(self.cfg.image_slots) != self.train.slots:
             raise ValueError(f'the recipe maps cameras to {self.train.slots}, the model has '
                              f'slots {list(self.cfg.image_slots)}')
-        self.stats = self.train.norm_stats()
-        norm = NormStats.from_dict(self.stats)
-        self.batches = Batches(self.train, norm, self.tokenizer, self.cfg, recipe)
+        self._use_stats(self.train.norm_stats())
         self.early = np.array([i for i, (_, t) in enumerate(self.train.index)
                                if t < recipe.early_steps], dtype=np.int64)
         if recipe.early_share and not len(self.early):
             raise ValueError(f'early_steps {recipe.early_steps}: no observation that early '
                              f'(one every {recipe.frame_every} steps)')
-        self.val_batches = Batches(self.val, norm, self.tokenizer, self.cfg, recipe)
         torch.manual_seed(recipe.seed)
         self.model = Pi05(self.cfg)
         init_weights(self.model)
         self.model.pack_head = False  # the packed CPU head is for inference, not autograd
         self.ema = {k: p.detach().clone() for k, p in self.model.named_parameters()}
-        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
-        plain = [p for n, p in self.model.named_parameters() if p.ndim < 2]
+        # The language stage: the readout's entries train, the rest keeps the weights the
+        # run started from (self.kept, taken when they are loaded).
+        self.readout = self.model.readout_parameters() if recipe.train == 'language' else None
+        self.kept: dict[str, torch.Tensor] | None = None
+        self.trained = {k: p for k, p in self.model.named_parameters()
+                        if self.readout is None or k in self.readout}
+        for k, p in self.model.named_parameters():
+            p.requires_grad_(k in self.trained)
+        # A partly trained tensor takes no weight decay: its other entries get no gradient
+        # and must not shrink either.
+        partial = {k for k, m in (self.readout or {}).items() if m is not None}
+        decay = [p for n, p in self.trained.items() if p.ndim >= 2 and n not in partial]
+        plain = [p for n, p in self.trained.items() if p.ndim < 2 or n in partial]
         self.opt = torch.optim.AdamW([{'params': decay, 'weight_decay': recipe.weight_decay},
                                       {'params': plain, 'weight_decay': 0.0}],
                                      lr=recipe.lr, betas=(0.9, 0.95))
@@ -364,6 +381,45 @@ class Trainer:
         self.init: dict | None = None  # the checkpoint a fine-tuning run started from
         # Where --start-from went on from an export: [{step, the schedule's steps then}].
         self.went_on: list[dict] = []
+
+    def _use_stats(self, stats: dict) -> None:
+        """The norm stats the inputs are made with (and the export carries)."""
+        self.stats = stats
+        norm = NormStats.from_dict(stats)
+        self.batches = Batches(self.train, norm, self.tokenizer, self.cfg, self.recipe)
+        self.val_batches = Batches(self.val, norm, self.tokenizer, self.cfg, self.recipe)
+
+    def _keep(self, stats: dict | None, where: str) -> None:
+        """The language stage starts from a trained policy: what it must not change (its
+        weights outside the readout, its norm stats) is taken here."""
+        if self.readout is None:
+            return
+        if not stats:
+            raise ValueError(f'{where} has no norm stats: the language stage keeps a trained '
+                             f"policy's")
+        self._use_stats(stats)
+        self.kept = {k: p.detach().clone() for k, p in self.model.named_parameters()}
+
+    def _restore_kept(self) -> None:
+        """Entries outside the readout back to the kept weights, in the model and its average
+        (they get no gradient and no decay; this makes sure of it)."""
+        with torch.no_grad():
+            for k, mask in self.readout.items():
+                if mask is not None:
+                    self.trained[k][~mask] = self.kept[k][~mask]
+                    self.ema[k][~mask] = self.kept[k][~mask]
+
+    def changed_outside_readout(self, weights: dict[str, torch.Tensor]) -> list[str]:
+        """The tensors of `weights` that differ from the kept ones outside the readout."""
+        bad = []
+        for k, kept in self.kept.items():
+            mask = self.readout.get(k, False)
+            if mask is None:  # readout through and through
+                continue
+            same = (weights[k].detach().to(kept.dtype) == kept) | mask
+            if not bool(same.all()):
+                bad.append(k)
+        return bad
 
     # -- schedule ---------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -384,19 +440,22 @@ class Trainer:
         batch = self.batches.make(idx, self.g)
         noise = torch.randn(batch['actions'].shape, generator=self.g)
         t = flow_time(r.batch, self.g)
-        out = losses(model, batch, noise, t)
-        loss = out['flow'] + r.text_weight * out['text']
+        language = self.readout is not None
+        out = losses(model, batch, noise, t, flow=not language)
+        loss = out['text'] if language else out['flow'] + r.text_weight * out['text']
         for group in self.opt.param_groups:
             group['lr'] = self.lr_at(self.step)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        grad = torch.nn.utils.clip_grad_norm_(model.parameters(), r.grad_clip)
+        grad = torch.nn.utils.clip_grad_norm_(list(self.trained.values()), r.grad_clip)
         self.opt.step()
         with torch.no_grad():
-            for k, p in model.named_parameters():
+            for k, p in self.trained.items():
                 self.ema[k].lerp_(p.detach(), 1.0 - r.ema)
+        if language:
+            self._restore_kept()
         self.step += 1
-        return dict(flow=float(out['flow']), text=float(out['text']), grad=float(grad))
+        return {**{k: v.item() for k, v in out.items()}, 'grad': float(grad)}
 
     @torch.no_grad()
     def validate(self, n: int = 256, batch: int = 32) -> dict:
@@ -439,7 +498,7 @@ class Trainer:
         tmp.replace(self.out / 'state.safetensors')
         (self.out / 'state.json').write_text(json.dumps(
             {'step': self.step, 'recipe': self.recipe.__dict__, 'init_from': self.init,
-             'went_on_from': self.went_on,
+             'went_on_from': self.went_on, 'norm_stats': self.stats,
              'train_files': [f'{p.parent.name}/{p.name}' for p in self.train.files],
              'val_files': [f'{p.parent.name}/{p.name}' for p in self.val.files]}, indent=1))
         self.export(self.out / 'checkpoint')
@@ -467,6 +526,7 @@ class Trainer:
                                      'exp_avg_sq': t[f'opt.{k}.exp_avg_sq'].clone()}
         self.g.set_state(t['generator'])
         self.step = saved['step']
+        self._keep(saved.get('norm_stats'), str(path))
         log = self.out / 'log.jsonl'
         if log.is_file():
             self.log = [json.loads(line) for line in log.read_text().splitlines() if line]
@@ -492,12 +552,16 @@ class Trainer:
         meta = json.loads((path / 'config.json').read_text()) if (
             path / 'config.json').is_file() else {}
         crops = (meta.get('oxygen') or {}).get('image_crops') or {}
-        model, _, _ = load_checkpoint(path, self.cfg.replace(image_crops=crops))
+        model, stats, _ = load_checkpoint(path, self.cfg.replace(image_crops=crops))
         self._take_weights(model)
+        self._keep(stats, str(path))
         trained = meta.get('training') or {}
         self.init = {'checkpoint': path.name, 'step': trained.get('step'),
                      'recipe': trained.get('recipe'),
-                     'image_crops': crops}
+                     'image_crops': crops,
+                     # Seeds its weights have seen: no evaluation may call them held out.
+                     'seeds': sorted({*trained.get('seeds', []),
+                                      *((trained.get('init_from') or {}).get('seeds') or [])})}
 
     def start_from(self, checkpoint: Path) -> None:
         """Go on from an exported checkpoint (the one kept in the repository, say) instead of
@@ -525,8 +589,9 @@ class Trainer:
         if int(trained['step']) >= self.recipe.steps:
             raise ValueError(f'{checkpoint} is at step {trained["step"]}, the recipe ends at '
                              f'{self.recipe.steps}: give --steps beyond it')
-        model, _, _ = load_checkpoint(checkpoint, self.cfg)
+        model, stats, _ = load_checkpoint(checkpoint, self.cfg)
         self._take_weights(model)
+        self._keep(stats, str(checkpoint))
         self.step = int(trained['step'])
         # The lineage goes on with the run: what it was fine-tuned from, and where its
         # schedule was lengthened.
@@ -543,12 +608,18 @@ class Trainer:
     def export(self, path: Path) -> Path:
         """The moving-average weights as an openpi checkpoint directory, with its norm stats
         and tokenizer."""
+        if self.readout is not None:
+            changed = self.changed_outside_readout(self.ema)
+            if changed:
+                raise RuntimeError(f'the language stage changed weights outside the readout: '
+                                   f'{changed}')
         root = save_checkpoint(self._ema_model(), path, self.stats, self.recipe.asset_id)
         (root / 'tokenizer.model').write_bytes(self.tokenizer.model_proto())
         meta = json.loads((root / 'config.json').read_text())
         meta['training'] = {'step': self.step, 'recipe': self.recipe.__dict__,
                             'data': [f'{p.parent.name}/{p.name}' for p in self.train.files],
-                            'seeds': self.train.seeds,
+                            'seeds': sorted({*self.train.seeds,
+                                             *((self.init or {}).get('seeds') or [])}),
                             'prompt': self.train.prompt, 'cameras': self.recipe.cameras,
                             'profile_options': self.recipe.profile_options,
                             'init_from': self.init, 'went_on_from': self.went_on}
@@ -562,6 +633,9 @@ class Trainer:
     def run(self, until: int | None = None) -> None:
         """Train to the recipe's last step, or stop after step `until` (resume later)."""
         r = self.recipe
+        if self.readout is not None and self.kept is None:
+            raise ValueError("the language stage trains a trained policy's readout: give "
+                             '--init-from CHECKPOINT')
         until = r.steps if until is None else min(until, r.steps)
         bar = None
         if self.progress:
@@ -573,8 +647,7 @@ class Trainer:
             recent.append(self.train_step())
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(flow=f'{recent[-1]["flow"]:.4f}',
-                                text=f'{recent[-1]["text"]:.3f}')
+                bar.set_postfix({k: f'{v:.4f}' for k, v in recent[-1].items() if k != 'grad'})
             last = self.step == r.steps
             entry = None
             if self.step % r.log_every == 0 or last:

@@ -407,3 +407,88 @@ def test_a_share_of_each_batch_comes_from_the_first_steps(episodes, tmp_path):
                                                                   early_steps=6)):
         with pytest.raises(ValueError, match='early_share'):
             train.Recipe.read(recipe_file(tmp_path, **bad))
+
+
+def test_the_readout_never_reaches_an_action():
+    """Pi05.readout_parameters, measured rather than read off the code: changing those
+    entries, however much, leaves every layer's prefix keys and values and the velocity of
+    every denoise step bit for bit as they were, while what language reads (prefill's last
+    hidden state) changes; the entries beside them (the last layer's keys and values) do
+    change the KV rows and the velocity."""
+    model = tiny_model()
+    cfg = model.cfg
+    b = batch_for(model)
+    noise = torch.randn(b['actions'].shape, generator=torch.Generator().manual_seed(2))
+    t = torch.full((3,), 0.4)
+
+    def run():
+        kv = KV.allocate(cfg, 3, cfg.prefix_len, device='cpu')
+        h = model.prefill(b['images'], b['image_mask'], b['tokens'], b['token_mask'], kv,
+                          slice(0, 3))
+        v = model.velocity(kv, slice(0, 3), noise, t)
+        return h, [k.clone() for k in kv.k] + [v_.clone() for v_ in kv.v], v
+
+    readout = model.readout_parameters()
+    params = dict(model.named_parameters())
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        h0, kv0, v0 = run()
+        for name, mask in readout.items():
+            change = torch.randn(params[name].shape, generator=g)
+            params[name].add_(change if mask is None else change * mask)
+        h1, kv1, v1 = run()
+        assert all(torch.equal(a, c) for a, c in zip(kv0, kv1, strict=True))
+        assert torch.equal(v0, v1)
+        assert (h0 - h1).abs().max() > 0.1
+        last = f'vlm.{cfg.vlm.depth - 1}.qkv.weight'
+        assert readout[last].any() and not readout[last].all()
+        params[last][~readout[last]] += 0.05
+        _, kv2, v2 = run()
+    assert not torch.equal(kv2[cfg.vlm.depth - 1], kv1[cfg.vlm.depth - 1])
+    assert not torch.equal(v2, v1)
+
+
+def test_the_language_stage_changes_no_action(episodes, tmp_path):
+    """train: language. It starts only from a trained policy (--init-from); its export keeps
+    every weight outside the readout and the norm stats exactly, so the validation flow loss
+    does not move, and the readout does; it resumes bit for bit like any run."""
+    from oxygen_ros.model.checkpoint import load_checkpoint
+
+    base = tmp_path / 'base'
+    common = ['--data', str(episodes), '--threads', '1', '--no-progress']
+    assert train.main(common + ['--recipe', str(recipe_file(tmp_path)), '--out',
+                                str(base)]) == 0
+    lang = recipe_file(tmp_path, train='language')
+    assert train.main(common + ['--recipe', str(lang), '--out', str(tmp_path / 'none')]) == 2
+    out, parts = tmp_path / 'lang', tmp_path / 'parts'
+    start = ['--recipe', str(lang), '--init-from', str(base / 'checkpoint')]
+    assert train.main(common + start + ['--out', str(out)]) == 0
+    before, _, _ = load_checkpoint(base / 'checkpoint')
+    after, _, _ = load_checkpoint(out / 'checkpoint')
+    readout = before.readout_parameters()
+    theirs = dict(before.named_parameters())
+    moved = []
+    for k, p in after.named_parameters():
+        mask = readout.get(k, False)
+        if mask is not False:
+            moved.append(not torch.equal(p, theirs[k]))
+        if mask is None:
+            continue
+        same = p == theirs[k]
+        assert bool((same | mask).all()), k
+    assert all(moved), moved
+    stats = 'assets/aloha_sim/norm_stats.json'
+    assert (out / 'checkpoint' / stats).read_bytes() == (base / 'checkpoint' / stats).read_bytes()
+    log = [json.loads(x) for x in (out / 'log.jsonl').read_text().splitlines()]
+    assert all('flow' not in e and np.isfinite(e['text']) for e in log)
+    vals = [e['val_flow'] for e in log if 'val_flow' in e]
+    assert len(vals) == 2 and vals[0] == vals[1]
+    # Resumed from its state: the same run.
+    assert train.main(common + start + ['--out', str(parts), '--stop-at', '6']) == 0
+    assert train.main(common + ['--recipe', str(lang), '--out', str(parts), '--resume']) == 0
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(d / 'state.safetensors')) for d in (out, parts))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="train is 'all' or 'language'"):
+        train.Recipe.read(recipe_file(tmp_path, train='readout'))
