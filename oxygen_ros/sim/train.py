@@ -15,6 +15,9 @@ Language from the same prefix: the narration target is the script's phase at tha
 the prefix; a yes/no question about the scene ("Is the cube in the left gripper?", answered
 from the simulator's contacts) is appended in the engine's question format and its answer
 and EOS are the target. Cross-entropy over the target tokens, weighted by `text_weight`.
+A recipe with `train: language` trains the text alone on the readout alone
+(Pi05.readout_parameters), from --init-from's policy and its norm stats: its actions stay
+bit for bit what they were (the export checks it).
 
 Inputs are built with the functions the engine uses (resize_with_pad, to_model_image, the
 ALOHA profile, NormStats, action_prompt, the tokenizer), from the demonstrations' top
@@ -107,10 +110,10 @@ class Recipe:
             raise ValueError(f'{path}: unknown recipe keys {sorted(unknown)}')
         data.update({k: v for k, v in over.items() if v is not None})
         recipe = cls(**data)
-        # A run stops and resumes where it saved: there the losses since the last log line
-        # must have been logged, or the resumed log would differ from an uninterrupted one.
         if recipe.train not in ('all', 'language'):
             raise ValueError(f"{path}: train is 'all' or 'language', got {recipe.train!r}")
+        # A run stops and resumes where it saved: there the losses since the last log line
+        # must have been logged, or the resumed log would differ from an uninterrupted one.
         if recipe.save_every % recipe.log_every or recipe.val_every % recipe.log_every:
             raise ValueError(f'{path}: save_every and val_every must be multiples of '
                              f'log_every ({recipe.log_every})')
