@@ -414,7 +414,7 @@ def closed_loop_phase(step: int, facts: dict[str, bool]) -> str:
     'grasping the cube' when the script's clock says 'lifting'. When no phase agrees (the
     cube in the left gripper on the table, say), the script's."""
     names = [p for p, _ in PHASES]
-    clock = phase_names()[min(step, STEPS - 1)]
+    clock = next((p for p, last in PHASES if step < last), PHASES[-1][0])
     agree = phases_for(facts)
     if not agree or clock in agree:
         return clock

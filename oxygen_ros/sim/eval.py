@@ -301,7 +301,9 @@ def direct(args, task: str, out: Path) -> list[dict]:
             if plan.due():
                 state = sim.state()
                 obs = Observation(stamp=sim.time,
-                                  images={slots[c]: sim.render(c) for c in slots},
+                                  # a recorded step has rendered them already
+                                  images={slots[c]: rec.images[c][-1] if rec else sim.render(c)
+                                          for c in slots},
                                   state=np.asarray(profile.encode_state(state), np.float32),
                                   prompt=prompt)
                 plan.got(profile.decode_actions(engine.step(obs).actions, state))
