@@ -33,7 +33,7 @@ model, stats, _ = load_checkpoint(ck)
 model.pack_head = False
 cfg = model.cfg
 eps = Episodes(files, recipe, cfg, make_profile('aloha', **recipe.profile_options), progress=False)
-tok = Tokenizer.default()
+tok = Tokenizer(Path(ck) / 'tokenizer.model')  # the one the checkpoint names
 bt = Batches(eps, NormStats.from_dict(stats), tok, cfg, recipe)
 
 @torch.no_grad()
@@ -59,8 +59,11 @@ def greedy(batch, ctx, n=12):
 
 qs = {k: tok.encode(QUESTION_FORMAT.replace('{question}', q), bos=False)
       for k, q in eps.questions.items()}
+# Room for the longest answer and its end of text ('yes' is 4 pieces of this tokenizer).
+answer_len = max(len(tok.encode(a, bos=False)) for a in ANSWERS.values()) + 1
 nar_ok = nar_n = ans_ok = ans_n = 0
 wrong = {}
+per = {}  # (question, true answer) -> (right, asked)
 g = torch.Generator().manual_seed(0)
 idx_all = np.arange(len(eps))
 for s in range(0, len(idx_all), 32):
@@ -74,10 +77,15 @@ for s in range(0, len(idx_all), 32):
         if not ok:
             wrong[t] = wrong.get(t, 0) + 1
     for k, q in qs.items():
-        texts = greedy(batch, q, 3)
+        texts = greedy(batch, q, answer_len)
         for i, t in zip(idx, texts):
-            ans_ok += t == ANSWERS[eps.answers[i][k]]
+            truth = ANSWERS[eps.answers[i][k]]
+            ans_ok += t == truth
             ans_n += 1
+            right, n = per.get((k, truth), (0, 0))
+            per[k, truth] = (right + (t == truth), n + 1)
 print(json.dumps({'checkpoint': ck, 'frames': nar_n, 'narration': f'{nar_ok}/{nar_n}',
                   'answers': f'{ans_ok}/{ans_n}',
+                  'answers_by_question': {f'{k} {truth}': f'{r}/{n}'
+                                          for (k, truth), (r, n) in sorted(per.items())},
                   'wrong': dict(sorted(wrong.items(), key=lambda x: -x[1])[:8])}))

@@ -21,7 +21,7 @@ pytest.importorskip('gym_aloha', reason='the simulator is not installed (tools/w
 h5py = pytest.importorskip('h5py')
 from gym_aloha.tasks.sim import BimanualViperXTask  # noqa: E402
 from gym_aloha.utils import sample_box_pose  # noqa: E402
-from support.paths import ROOT  # noqa: E402
+from support.paths import ROOT, TOOLS  # noqa: E402
 
 from oxygen_ros.sim import demos  # noqa: E402
 from oxygen_ros.sim.aloha_sim import AlohaSim  # noqa: E402
@@ -349,3 +349,27 @@ def test_a_closed_loop_step_is_named_by_the_scene():
     # In the left gripper on the table: no phase agrees, the script's stands.
     assert name(380, facts(True, False, False)) == 'holding the cube'
     assert name(10_000, facts(True, False, True)) == 'holding the cube'  # past the timeline
+
+
+def test_the_language_judge_reads_the_shipped_checkpoints_answers(made):
+    """tools/judge_language.py, whose numbers the model card quotes, on these episodes
+    (scripted, seeds the shipped policy trained on) against their recorded phases and
+    answers: its greedy decode runs each answer to its end of text ('yes' is four pieces of
+    the checkpoint's tokenizer; cut at three, every 'yes' read as wrong and the answers
+    came out at half). Measured: narration 98/120, answers 316/360, each true 'yes' of
+    every question answered right at least 12 times."""
+    ck = ROOT / 'models' / 'aloha_sim_transfer_cube'
+    r = subprocess.run([sys.executable, str(TOOLS / 'judge_language.py'), str(ck), '10',
+                        *map(str, sorted(made[0].glob('episode_*.hdf5')))],
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+
+    def share(text):
+        right, n = map(int, text.split('/'))
+        return right / n
+    assert share(out['narration']) >= 0.7, out
+    assert share(out['answers']) >= 0.8, out
+    for k in demos.QUESTIONS:
+        assert share(out['answers_by_question'][f'{k} yes']) > 0.2, (k, out)
