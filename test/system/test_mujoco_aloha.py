@@ -51,11 +51,13 @@ HOLD_TOL_RAD = 0.03
 STILL_TOL_RAD = 2e-3
 HOLD_TOL_M = 1e-3
 STILL_TOL_M = 5e-4
-# A gripper is held at its setpoint, not its reading, and a finger lags a moving setpoint:
-# when the hold ends it may still be millimetres short (seen: 2.2 mm on a loaded machine).
-# It closes the gap with a time constant of about 0.15 s (measured: a full-range step is
-# within 0.1 mm after 1 s), so its stillness window opens FINGER_SETTLE_S after the arms'.
-FINGER_SETTLE_S = 1.0
+# A hold is a position step: an arm held while it moves swings back to the held position and
+# settles, and a gripper, held at its setpoint rather than its reading, closes the gap to it
+# (seen: 2.2 mm on a loaded machine; a full-range step is within 0.1 mm after 1 s). Measured
+# on gym-aloha's model, an arm held at 1-3 rad/s still moves 2-10 mrad in a window opened
+# 0.1 s after the hold, 0.1-0.6 mrad from 0.5 s, under 0.02 mrad from 1 s (CI saw 4.3 mrad
+# from 0.1 s). Stillness is measured from SETTLE_S after the hold; the target from the start.
+SETTLE_S = 1.0
 # MuJoCo's joint limits are soft: a joint pressed against one may sink in by a hair.
 RANGE_TOL = 1e-3
 FINGER_MIRROR_TOL = 0.01  # m; a finger travels 0.021..0.057
@@ -218,8 +220,9 @@ def t_of_last(readings):
 def test_hold_after_deactivate_keeps_still_under_gravity(rig):
     """Deactivate: the node's last word on each controller is a hold at the measured
     positions, the grippers' at their setpoints (a new one, or the one it was already
-    holding with); from where that ends, every arm joint stays at its target for 2 s of
-    simulated time, and each finger, given 1 s to reach its setpoint, for the 2 s after."""
+    holding with); from where that ends, every arm joint stays near its target for 2 s of
+    simulated time, and, given 1 s to settle, every joint and finger keeps still for the 2 s
+    after, each finger at its setpoint."""
     w = rig
     assert w.transition('deactivate'), w.log()
 
@@ -236,7 +239,7 @@ def test_hold_after_deactivate_keeps_still_under_gravity(rig):
     for _, m in holds.values():
         assert all(v == 0.0 for v in m.points[-1].velocities), m
     begin = max(now + t_of(m.points[-1].time_from_start) for now, m in holds.values()) + 0.1
-    end = begin + FINGER_SETTLE_S + HOLD_SECONDS
+    end = begin + SETTLE_S + HOLD_SECONDS
     assert wait_for(lambda: w.now >= end or w.procs.dead(), 120), w.log()
     for side in ('left', 'right'):
         arm = np.array(holds[f'{side}_arm'][1].points[-1].positions)
@@ -246,8 +249,9 @@ def test_hold_after_deactivate_keeps_still_under_gravity(rig):
         assert readings and readings[-1][0] - readings[0][0] >= HOLD_SECONDS - 0.05
         worst = max(np.abs(q[:6] - arm).max() for _, q in readings)
         assert worst < HOLD_TOL_RAD, (side, worst, arm, readings[-1][1])
-        settled = [q for t, q in w.positions(side, since=begin + FINGER_SETTLE_S) if t <= end]
-        assert settled
+        settled = [(t, q) for t, q in w.positions(side, since=begin + SETTLE_S) if t <= end]
+        assert settled and settled[-1][0] - settled[0][0] >= HOLD_SECONDS - 0.05
+        settled = [q for _, q in settled]
         finger = [q[7] for q in settled]
         assert max(finger) - min(finger) < STILL_TOL_M, (side, min(finger), max(finger))
         target = float(finger_from_gripper(grip))
@@ -256,7 +260,7 @@ def test_hold_after_deactivate_keeps_still_under_gravity(rig):
         # of finger is 0.053 rad), so the finger's check above is its check; held to
         # HOLD_TOL_RAD it asked for 0.56 mm, and CI's right finger rested 0.68 mm short.
         assert max(abs(q[6] - gripper_from_finger(q[7])) for q in settled) < 1e-9, side
-        q = np.array([q[:6] for _, q in readings])
+        q = np.array([q[:6] for q in settled])
         moved = (q.max(axis=0) - q.min(axis=0)).max()
         # What was last sent (points, end time) says whether it was a hold, should this fail.
         last = holds[f'{side}_arm'][1]

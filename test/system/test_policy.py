@@ -93,15 +93,19 @@ def test_a_relative_checkpoint_narrates_and_answers_through_ros(tmp_path):
 # another CPU's rounding.
 DIRECT_SEEDS, DIRECT_SUCCESSES = 10, 5
 # Through ROS (replan_after 45; not deterministic: the frames fall where the node's timing
-# puts them) seed 0 succeeded in all six 50-seed runs of the model card and docs/simulation.md
-# (with and without narration), seed 1 in four, seed 2 in one; over 50 seeds about half
-# succeed. At least one of seeds 0..4 must: were each an even chance, all five would fail
-# one run in 32, and seed 0 is better than even. On a CI machine 1.5 times slower than ours,
-# unpaced, chunks played 100-120 ms after their frame (60 ms here) and seeds 0..2 never
-# handed the cube over. The floor is about the chain from checkpoint to joints, not the CPU's
-# speed: the simulator runs at half real time (ROS_PACE), so a slower machine gets about the
-# same latency in simulated time.
-ROS_SEED, ROS_EPISODES, ROS_SUCCESSES, ROS_PACE = 0, 5, 1, 0.5
+# puts them) about half of the seeds succeed, and which ones moves from run to run: over eight
+# 50-seed runs of docs/simulation.md's shipped-weights sets, seeds 0..9 succeeded in 7, 8, 0,
+# 4, 0, 7, 1, 5, 2 and 3 runs of the eight, yet one run of this test here (under ctest, the
+# same machine) had none of seeds 0..4 succeed, each lifting the cube and never handing it
+# over. So the floor is at least one success in ten seeds and, since lifting is what the
+# policy nearly always does (48 of 50 lifted, paced, without narration), a lift on at least half: a
+# broken chain (a swapped joint, an inverted gripper) does neither. On a CI machine 1.5 times
+# slower than ours, unpaced, chunks played 100-120 ms after their frame (60 ms here) and
+# seeds 0..2 never handed over. The floor is about the chain from checkpoint to joints, not
+# the CPU's speed: the simulator runs at half real time (ROS_PACE), so a slower machine gets
+# about the same latency in simulated time.
+ROS_SEED, ROS_EPISODES, ROS_SUCCESSES, ROS_LIFTS, ROS_PACE = 0, 10, 1, 5, 0.5
+SWAPPED_EPISODES = 5
 # The ALOHA robot file with the right arm's shoulder and elbow swapped in its joint list: each
 # reads the other's angle, and the delta actions are added to the wrong one.
 SWAPPED = """oxygen_node:
@@ -118,10 +122,10 @@ def test_it_transfers_the_cube_directly(tmp_path):
     assert report['successes'] >= DIRECT_SUCCESSES, report['successes']
 
 
-def ros_run(tmp_path, *args):
+def ros_run(tmp_path, *args, episodes=ROS_EPISODES):
     from support.process import new_domain
 
-    report, _ = evaluate(tmp_path, '--seed', str(ROS_SEED), '--episodes', str(ROS_EPISODES),
+    report, _ = evaluate(tmp_path, '--seed', str(ROS_SEED), '--episodes', str(episodes),
                          '--replan-after', '45', '--domain', new_domain(), *args)
     return report
 
@@ -134,10 +138,11 @@ def rewards(report):
 def test_it_transfers_the_cube_through_ros(tmp_path):
     report = ros_run(tmp_path, '--real-time-factor', str(ROS_PACE))
     assert report['successes'] >= ROS_SUCCESSES, rewards(report)
+    assert report['lifts'] >= ROS_LIFTS, rewards(report)
 
 
 def test_a_robot_file_with_two_joints_swapped_transfers_nothing(tmp_path):
     swapped = tmp_path / 'swapped.yaml'
     swapped.write_text(SWAPPED)
-    report = ros_run(tmp_path, '--params-file', str(swapped))
+    report = ros_run(tmp_path, '--params-file', str(swapped), episodes=SWAPPED_EPISODES)
     assert report['successes'] == 0 and report['lifts'] == 0, rewards(report)
