@@ -351,15 +351,14 @@ def test_node_reanchors_droid_targets_on_the_lagging_sim_robot(tmp_path):
     swing = 0.0
     sent = [m for m in w.traj['gripper'] if not is_hold(m)]
     fastest = max((abs(p.velocities[0]) for m in sent for p in m.points), default=0.0)
-    for m in sent:
-        t = [0.0] + [p.time_from_start.sec + p.time_from_start.nanosec * 1e-9 for p in m.points]
-        q = [m.points[0].positions[0]] + [p.positions[0] for p in m.points]
+    timed = [([p.time_from_start.sec + p.time_from_start.nanosec * 1e-9 for p in m.points],
+              [p.positions[0] for p in m.points], [abs(p.velocities[0]) for p in m.points])
+             for m in sent]
+    for t, q, _ in timed:
         h = np.diff(t)
         mean = np.abs(np.diff(q)) / np.where(h > 0, h, np.inf)
         fastest = max(fastest, 1.5 * float(mean.max(initial=0.0)))
-    for m in sent:
-        t = [p.time_from_start.sec + p.time_from_start.nanosec * 1e-9 for p in m.points]
-        v = [abs(p.velocities[0]) for p in m.points]
+    for t, _, v in timed:
         swing = max(swing, 4 / 27 * t[0] * (fastest + v[0]))
         for k in range(1, len(t)):
             swing = max(swing, 4 / 27 * (t[k] - t[k - 1]) * (v[k - 1] + v[k]))
