@@ -2,14 +2,17 @@
 
 ``Intake`` is the part of a robot that needs no ROS between its latest samples
 (inputs.Inputs) and the engine: whether a frame may start (fresh, complete, not stale,
-replan_after passed), the observation and state it is built from, whether it narrates,
-where its chunk joins the one being played (real-time chunking), and the chunk decoded
-into the robot's joint targets. Stale or missing inputs hold the robot (``hold``) and are
-reported; the ROS link feeds it the samples and publishes what comes out.
+replan_after passed or the chunk being played about to run out), the observation and
+state it is built from, whether it narrates, where its chunk joins the one being played
+(real-time chunking), and the chunk decoded into the robot's joint targets. Stale or
+missing inputs hold the robot (``hold``) and are reported; the ROS link feeds it the
+samples and publishes what comes out.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import threading
 import time
@@ -24,6 +27,31 @@ from .report import Reporter
 
 # Stale or missing inputs are looked at this often (s) while no frame can start.
 CHECK_S = 0.05
+# With replan_after, the next frame starts at the latest this percentile of the robot's last
+# LEAD_FRAMES frame-to-chunk latencies, or the last one if longer, plus a control period,
+# before the chunk being played runs out: a machine that got slower moves it from the next
+# frame on, one slow frame among fast ones for the next frame only.
+LEAD_FRAMES = 20
+LEAD_PERCENTILE = 95
+# How long the chunk before still had to run when a chunk came, for the last this many.
+SPARE_KEPT = 100
+
+
+def replan_lead(latency, margin: float) -> float | None:
+    """How long before a chunk runs out its next frame must start (s): the
+    LEAD_PERCENTILE-th percentile of the last LEAD_FRAMES latencies (frame stamp to its
+    chunk) or the last one, whichever is longer, plus `margin`; None when none was
+    measured."""
+    # Asked every few ms while a chunk plays: numpy's percentile (linear) on a short list.
+    recent = list(itertools.islice(reversed(latency), LEAD_FRAMES))  # newest first
+    if not recent:
+        return None
+    last = recent[0]
+    recent.sort()
+    i, f = divmod((len(recent) - 1) * LEAD_PERCENTILE / 100, 1)
+    i = int(i)
+    high = recent[i] + (recent[min(i + 1, len(recent) - 1)] - recent[i]) * f
+    return max(high, last) + margin
 
 
 @dataclass
@@ -40,7 +68,8 @@ class Ready:
 class Intake:
     """``now()``: the node's clock (s); ``hold(why)``: stop commanding the robot;
     ``take_joints()``: take the joint states waiting (a frame is built from all of them);
-    ``latency``: the recent frame-stamp-to-chunk delays (s), for the handover's delay."""
+    ``latency``: the recent frame-stamp-to-chunk delays (s), for the handover's delay and
+    how early the next frame starts."""
 
     def __init__(self, cfg, inputs: Inputs, reporter: Reporter, now: Callable[[], float],
                  hold: Callable[[str], None], take_joints: Callable[[], None], latency,
@@ -58,12 +87,17 @@ class Intake:
         self.checked = 0.0  # monotonic: when staleness was last looked at
         self._stale_since: float | None = None  # monotonic: inputs stale since
         self.resume_at = 0.0  # monotonic: no chunk plays before this (listening)
+        self.last: Chunk | None = None  # the last chunk made
+        # When a chunk came, how long the one before it still had to run (s; negative: it
+        # had run out that long before), for the last SPARE_KEPT chunks.
+        self.spare: collections.deque = collections.deque(maxlen=SPARE_KEPT)
 
     def rebase(self):
         """Activating: frames from inputs that come after this."""
         self.inputs.rebase()
         self._stale_since = None
         self.resume_at = 0.0
+        self.last = None  # the chunk before the first one is none of this activation's
 
     def set_prompt(self, text: str):
         with self.lock:
@@ -163,10 +197,19 @@ class Intake:
         """Which required inputs are stale or missing now (Assembler's words), or None."""
         return self.inputs.stale(now)
 
+    def lead(self) -> float | None:
+        """How long before the chunk being played runs out the next frame starts at the
+        latest (s), as measured (replan_lead with a control period's margin: the chunk
+        that comes in time is played at the next control tick); None before any chunk."""
+        return replan_lead(self.latency, 1.0 / self.cfg.p.control_rate_hz)
+
     def replan_wait(self, now: float) -> float:
-        """How long until replan_after lets the next frame start (0: now)."""
-        chunk = self.player.chunk if self.player is not None else None
-        return max(0.0, replan_at(chunk, self.cfg.p.replan_after) - now)
+        """How long until the next frame may start (0: now): once replan_after actions of the
+        chunk are out, or `lead` s before it runs out if that comes first."""
+        player = self.player
+        chunk = player.chunk if player is not None else None
+        steps = player.play_steps if player is not None else 0
+        return max(0.0, replan_at(chunk, self.cfg.p.replan_after, self.lead(), steps) - now)
 
     def handover(self, stamp: float, state: np.ndarray):
         """Where this frame's chunk joins the chunk being played (real-time chunking): its
@@ -235,4 +278,13 @@ class Intake:
         if profile.reanchors:
             def reanchor(first, measured, a=actions):
                 return profile.reanchor(a, measured=measured, first=first)
-        return make_chunk(stamp, self.cfg.action_period, targets, actions, state, reanchor)
+        chunk = make_chunk(stamp, self.cfg.action_period, targets, actions, state, reanchor)
+        self.came(chunk, self.now())
+        return chunk
+
+    def came(self, chunk: Chunk, now: float):
+        """`chunk` came at `now`: how long the one before it still had to run."""
+        before, self.last = self.last, chunk
+        if before is not None:
+            steps = self.player.play_steps if self.player is not None else 0
+            self.spare.append(runs_out(before, steps) - now)

@@ -89,7 +89,10 @@ PARAMS = (
     Param('replan_after', 0, "start the next frame only once n actions of the chunk being "
           "played are out, while the robot plays on (openpi's open_loop_horizon, LeRobot's "
           "n_action_steps: for a policy trained to act on whole chunks rather than re-plan at "
-          'every frame); 0 = a frame whenever new inputs come', low=0, live=True),
+          'every frame), or earlier when the chunk would run out before the next one comes: '
+          'at the latest replan_lead_ms (p95 of the last 20 frame-to-chunk latencies, or the '
+          'last one if longer, and a control period) before its end; 0 = a frame whenever new '
+          'inputs come', low=0, live=True),
     Param('open_loop_control', False, "the robot's trajectory controllers start each new "
           "trajectory from their last command, not from the measured state (JTC's "
           'open_loop_control, as they are configured): the speed limits then judge each motion '

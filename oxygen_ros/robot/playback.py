@@ -88,12 +88,18 @@ def runs_out(chunk: Chunk, play_steps: int = 0) -> float:
     return chunk.stamp + (n - 1) * chunk.period
 
 
-def replan_at(chunk: Chunk | None, after: int) -> float:
+def replan_at(chunk: Chunk | None, after: int, lead: float | None = None,
+              play_steps: int = 0) -> float:
     """When the next frame may start: once `after` actions of `chunk` (the one being played)
-    are out; at once when nothing plays or `after` is 0."""
+    are out, or earlier, `lead` s before the chunk runs out (its next chunk takes about that
+    long to come); at once when nothing plays or `after` is 0. None: no lead (nothing
+    measured yet)."""
     if chunk is None or not after:
         return -math.inf
-    return chunk.stamp + after * chunk.period
+    at = chunk.stamp + after * chunk.period
+    if lead is not None:
+        at = min(at, runs_out(chunk, play_steps) - lead)
+    return at
 
 
 @dataclass

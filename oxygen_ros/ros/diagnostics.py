@@ -67,13 +67,27 @@ class Diagnostics:
 
 
 def robot_summary(link, action_horizon: int) -> dict:
-    """One robot's own figures for /diagnostics: its control loop, chunks and holds, and in
-    shadow mode how its prediction compares with the motion."""
+    """One robot's own figures for /diagnostics: its control loop, chunks and holds, the
+    margin its chunks keep, and in shadow mode how its prediction compares with the
+    motion."""
     cfg = link.cfg
     link.stats.c['rtc_delay'] = link.intake.rtc_delay if link.intake else 0
     s = link.stats.summary(cfg.p.control_rate_hz, 1e3 * cfg.action_period * action_horizon)
+    s.update(spare_summary(link.intake))
     if not cfg.p.command:
         with link.lock:
             errors = link.shadow.errors()
         s.update(shadow_summary(errors))
     return s
+
+
+def spare_summary(intake) -> dict:
+    """How early the next frame starts before the chunk being played runs out (the lead,
+    when measured), and how long the chunk before still had to run when the last chunk
+    came and at least over the recent ones (ms; NaN before any)."""
+    lead = intake.lead() if intake is not None else None
+    spare = list(intake.spare) if intake is not None else []
+    nan = float('nan')
+    return {'replan_lead_ms': nan if lead is None else 1e3 * lead,
+            'chunk_spare_ms': 1e3 * spare[-1] if spare else nan,
+            'chunk_spare_ms_min': 1e3 * min(spare) if spare else nan}
