@@ -2,15 +2,17 @@
 
 A thread sleeping to absolute deadlines (on two cores a Python executor next to the model
 delayed timer callbacks by tens of ms, measured), or, under use_sim_time, a timer on the
-node's clock, so control follows /clock and stops while the simulation pauses. Each tick
-takes the joint states waiting, watches the system clock for jumps, asks the player for a
-command or a hold and publishes it on the robot's trajectory topics (in shadow mode on its
-~/shadow topics). A tick never raises: a failure holds the robot, and a second in a row,
-when even the hold cannot go out, is the node's fault.
+node's clock, so control follows /clock and stops while the simulation pauses. The thread
+runs real-time where the system allows it (raise_priority). Each tick takes the joint states
+waiting, watches the system clock for jumps, asks the player for a command or a hold and
+publishes it on the robot's trajectory topics (in shadow mode on its ~/shadow topics). A
+tick never raises: a failure holds the robot, and a second in a row, when even the hold
+cannot go out, is the node's fault.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -22,6 +24,47 @@ from oxygen_ros.robot.clock import BACK_S, JumpWatch
 from oxygen_ros.robot.inputs import problem_key
 from oxygen_ros.robot.playback import Command
 from oxygen_ros.ros import messages
+
+# The control thread's scheduling (raise_priority): SCHED_FIFO at this priority, below
+# ros2_control's controller_manager (50) so that a controller on the same machine still
+# comes first; where that is not allowed, this nice value.
+RT_PRIORITY = 10
+NICE = -10
+
+
+def raise_priority(priority: int = RT_PRIORITY, nice: int = NICE) -> tuple[bool, str]:
+    """Raise the calling thread's scheduling: real-time (SCHED_FIFO at `priority`) where the
+    process may (root, CAP_SYS_NICE, or an rtprio limit of at least `priority`), else `nice`
+    where it may. Returns (real-time, what the thread runs at and why).
+
+    Why it matters: a tick needs the GIL, and so does the engine thread between its torch
+    ops. On a full CPU the OS preempts a control thread of normal priority in the middle of
+    its tick, GIL held, and the engine thread waits with it until the control thread gets
+    a core again: ticks come late, frames slow down, and chunks run out before the next
+    arrives (docs/benchmarks.md, "Control rate"). A real-time thread is not preempted by
+    ordinary ones, so its GIL is back within the tick's own CPU time."""
+    fifo = getattr(os, 'SCHED_FIFO', None)
+    if fifo is None:
+        return False, 'no SCHED_FIFO on this system'
+    names = {os.SCHED_FIFO: 'SCHED_FIFO', os.SCHED_RR: 'SCHED_RR'}
+    policy = os.sched_getscheduler(0) & ~getattr(os, 'SCHED_RESET_ON_FORK', 0)
+    have = os.sched_getparam(0).sched_priority
+    if policy in names and have >= priority:
+        return True, f'real-time ({names[policy]}, priority {have}, as started)'
+    try:
+        # Reset on fork: nothing this thread starts inherits the priority.
+        os.sched_setscheduler(0, fifo | getattr(os, 'SCHED_RESET_ON_FORK', 0),
+                              os.sched_param(priority))
+        return True, f'real-time (SCHED_FIFO, priority {priority})'
+    except OSError as e:
+        why = f'SCHED_FIFO priority {priority} refused: {e.strerror or e}'
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) > nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)  # this thread only (Linux)
+        return False, f'nice {os.getpriority(os.PRIO_PROCESS, tid)} ({why})'
+    except OSError as e:
+        return False, f'normal priority ({why}; nice {nice}: {e.strerror or e})'
 
 
 class Control:
@@ -41,6 +84,7 @@ class Control:
         self._jump_lock = threading.Lock()
         self._tick_failures = 0
         self._sent_cmd = None  # (monotonic time, times, positions) of the last command sent
+        self.scheduling = ''  # what the control thread runs at (raise_priority), once known
 
     def stopping(self) -> bool:
         return self._stop.is_set() or not self.link.node.context.ok()
@@ -132,6 +176,20 @@ class Control:
         self.link.clock_jumped(jump.delta.nanoseconds * 1e-9, what)
 
     def _control(self, stop: threading.Event):
+        try:
+            realtime, what = raise_priority()
+        except Exception as e:  # the loop runs as it is rather than not at all
+            realtime, what = False, f'scheduling not changed: {type(e).__name__}: {e}'
+        if what != self.scheduling:  # said at the first activation, and when it changes
+            self.scheduling = what
+            if realtime:
+                self.link.log.info(f'{self.link.label()}control thread: {what}')
+            else:
+                self.link.log.warning(
+                    f'{self.link.label()}control thread not real-time: {what}. On a busy CPU '
+                    'its ticks then come late and the model waits on them (the GIL); allow '
+                    f'real-time scheduling for the node (CAP_SYS_NICE, or rtprio {RT_PRIORITY} '
+                    'for its user in /etc/security/limits.conf)')
         period = 1.0 / self.link.cfg.p.control_rate_hz
         deadline = time.monotonic()
         while not stop.is_set() and self.link.node.context.ok():

@@ -17,7 +17,9 @@ Threads, and why:
   control thread takes the joint states each tick and the engine thread the newest image
   of each camera before each frame, so unused images are never even converted;
 - the engine thread (engine_loop.py) runs the frames; each robot's control thread
-  (control.py) publishes what its player says at control_rate_hz;
+  (control.py) publishes what its player says at control_rate_hz, real-time (SCHED_FIFO)
+  where the system allows it: on a full CPU a tick preempted with the GIL held stalled the
+  engine thread too;
 - the executor runs the lifecycle and parameter services, ~/prompt, ~/narrate, ~/ask (its
   goals are coroutines that never block it) and the diagnostics and watchdog timers.
 """

@@ -36,6 +36,7 @@ from support.process import (  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 import oxygen_ros.action as action_mod  # noqa: E402 (built by colcon; must import)
+from oxygen_ros.ros.control import RT_PRIORITY  # noqa: E402
 
 Ask = action_mod.Ask
 ROBOTS = ('left', 'right')
@@ -167,6 +168,30 @@ def test_both_robots_are_commanded_by_one_node(fleet):
         assert wait_for(lambda r=r: level_of(fleet, r) == DiagnosticStatus.OK, 20), fleet.diag[r]
         values = fleet.diag[r][2]
         assert int(values['frames']) > 0 and float(values['control_publish_hz']) > 0, values
+
+
+def node_threads(pid):
+    """(policy, real-time priority) of each thread of process `pid` (stat fields 41, 40)."""
+    out = []
+    for tid in os.listdir(f'/proc/{pid}/task'):
+        with open(f'/proc/{pid}/task/{tid}/stat') as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+        out.append((int(fields[38]), int(fields[37])))
+    return out
+
+
+def test_each_robots_control_thread_is_real_time_where_allowed(fleet):
+    log = fleet.log()
+    said = {r: re.search(rf'robot {r}: control thread(?:: (real-time)| not real-time)', log)
+            for r in ROBOTS}
+    assert all(said.values()), log[-3000:]
+    fifo = [p for policy, p in node_threads(fleet.proc.pid) if policy == os.SCHED_FIFO]
+    if all(m.group(1) for m in said.values()):
+        # One real-time thread per robot, its control thread; none of the node's others.
+        assert fifo == [RT_PRIORITY] * len(ROBOTS), (fifo, log[-3000:])
+    else:
+        # Not allowed here: every robot's log says so, and the node runs as it was.
+        assert not any(m.group(1) for m in said.values()) and not fifo, (fifo, log[-3000:])
 
 
 def test_each_robots_ask_answers_from_its_own_frames(fleet):
