@@ -18,7 +18,7 @@ import time
 import traceback
 
 import numpy as np
-from rclpy.serialization import serialize_message
+from rclpy.serialization import deserialize_message, serialize_message
 
 from oxygen_ros.robot.clock import BACK_S, JumpWatch
 from oxygen_ros.robot.inputs import problem_key
@@ -85,6 +85,7 @@ class Control:
         self._tick_failures = 0
         self._sent_cmd = None  # (monotonic time, times, positions) of the last command sent
         self.scheduling = ''  # what the control thread runs at (raise_priority), once known
+        self._writers = {}  # group -> its messages.TrajectoryBytes, None: serialize_message
 
     def stopping(self) -> bool:
         return self._stop.is_set() or not self.link.node.context.ok()
@@ -101,6 +102,8 @@ class Control:
         self._jumps = None if sim_time else JumpWatch(self.link.cfg.p.max_input_age)
         # What came while inactive, so the first frame is not judged on old readings.
         self.link._take_joints()
+        for g in self.link.cfg.groups:  # checked here, not in the first tick
+            self._writer(g)
         if sim_time:
             from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 
@@ -275,6 +278,25 @@ class Control:
                 return
             raise RuntimeError(f'trajectory not sent: {e}') from e
 
+    def _writer(self, g):
+        """Group g's trajectories serialized directly (messages.TrajectoryBytes), once the
+        middleware has read a sample of them back as the message they stand for; None where
+        it did not (serialize_message then)."""
+        if g.name not in self._writers:
+            from trajectory_msgs.msg import JointTrajectory
+
+            write = messages.TrajectoryBytes(g.joints)
+            k = len(g.joints)
+            pos = np.arange(3 * k, dtype=np.float64).reshape(3, k) * 0.1 - 1.0
+            times = np.array([0.01, 0.3, 1.75])
+            try:
+                same = deserialize_message(write(pos, -pos, times), JointTrajectory) == \
+                    messages.trajectory(g.joints, pos, -pos, times)
+            except Exception:
+                same = False
+            self._writers[g.name] = write if same else None
+        return self._writers[g.name]
+
     def _publish(self, cmd: Command):
         for g in self.link.cfg.groups:
             pos = cmd.positions[:, g.indices]
@@ -283,8 +305,10 @@ class Control:
                                      'was sent to it yet and its joints have no fresh '
                                      'reading; no target published')
                 continue
-            msg = messages.trajectory(g.joints, pos, cmd.velocities[:, g.indices], cmd.times)
-            data = serialize_message(msg)
+            vel = cmd.velocities[:, g.indices]
+            write = self._writer(g)
+            data = (write(pos, vel, cmd.times) if write is not None else
+                    serialize_message(messages.trajectory(g.joints, pos, vel, cmd.times)))
             if self.link.cfg.p.command:
                 self.link.others.sent(data)
                 self.link.traj_pubs[g.name].publish(data)
