@@ -21,8 +21,8 @@ class Decode:
 
     @torch.no_grad()
     def decode_hidden(self, kv: KV, rows: torch.Tensor, tokens: torch.Tensor,
-                      cols: int | None = None, live: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+                      cols: int | None = None, live: torch.Tensor | None = None,
+                      rope_tables: tuple | None = None) -> torch.Tensor:
         """decode_step without the LM head: the final-normed hidden state [b, width].
 
         Rows may differ in prefix layout, valid columns and tokens generated so far; each
@@ -35,7 +35,8 @@ class Decode:
         query is NaN on some attention kernels, and NaN keys written there would poison
         later reads of the row), and neither advances its row nor marks a column valid.
         With ``cols`` and ``live`` given nothing here waits for the device (CUDA graph
-        capture).
+        capture). ``rope_tables`` (cos, sin) covering every column's position replace the
+        model's own (a compiled program takes them as inputs).
         """
         dev = self.device
         rows, tokens = rows.to(dev), tokens.to(dev)
@@ -53,7 +54,7 @@ class Decode:
             mask = kv.valid[:, :cols].index_select(0, rows) | ~live[:, None]
             step = live.long()
         mask = mask[:, None, None, :]
-        cos_t, sin_t = self._rope_for(int(kv.max_len) + 1)
+        cos_t, sin_t = rope_tables or self._rope_for(int(kv.max_len) + 1)
         cos, sin = cos_t[pos][:, None, None], sin_t[pos][:, None, None]
 
         x = self.embed_tokens(tokens)[:, None]

@@ -161,11 +161,13 @@ class Denoise:
             q = (rope(q, cos, sin) * d ** -0.5).transpose(1, 2).reshape(b, kvh, gt, d)
             k = rope(k, cos, sin).permute(0, 2, 3, 1)  # [b, kvh, d, t]
             v = v.transpose(1, 2)
-            # One softmax over [prefix | chunk] keys; the prefix is only read, never copied.
+            # One softmax over [prefix | chunk] keys, in one product each for the scores
+            # and the values: a copy of the prefix's keys and values per step costs less
+            # than the two extra products and the scores' concatenation.
             kp, vp = prefix[i]
-            s = torch.cat((q @ kp, q @ k), -1)
+            s = q @ torch.cat((kp, k), -1)
             p = torch.softmax(s.float() + bias, -1).to(self.dtype)
-            o = p[..., :lp] @ vp + p[..., lp:] @ v
+            o = p @ torch.cat((vp, v), -2)
             o = o.view(b, e.heads, t, d).transpose(1, 2).reshape(b, t, e.heads * d)
             h = h + F.linear(o, blk.o.weight) * gate
             scale, shift, gate = mods[2 * i + 1]

@@ -157,7 +157,8 @@ class Pi05(Denoise, Decode, Reference, nn.Module):
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, images: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor,
-                token_mask: torch.Tensor, kv: KV, rows: slice = slice(None)) -> torch.Tensor:
+                token_mask: torch.Tensor, kv: KV, rows: slice = slice(None), vision=None,
+                layers=None) -> torch.Tensor:
         """Encode observations into KV rows; returns the final-normed hidden state [B, width]
         at each observation's last valid prefix token.
 
@@ -165,6 +166,9 @@ class Pi05(Denoise, Decode, Reference, nn.Module):
         cameras are never encoded), empty image slots up to the batch's most cameras, then
         text up to the batch's last valid token. Positions, masks and results equal those of
         the full [S cameras | max_token_len] layout; kv.length holds the columns used.
+
+        ``vision`` and ``layers`` stand in for embed_images and prefill_layers (the model
+        runner's compiled programs); the layout, masks and bookkeeping stay here.
         """
         cfg, e = self.cfg, self.cfg.vlm
         dev, dt, width = self.device, self.dtype, e.width
@@ -197,7 +201,7 @@ class Pi05(Denoise, Decode, Reference, nn.Module):
         if max_img:
             slot_ok = torch.arange(max_img, device=dev) < n_img[:, None]
             xi = x[:, :li].view(b, max_img, n_tok, width)
-            xi[slot_ok] = self.embed_images(images[image_mask.to(images.device)]).to(dt)
+            xi[slot_ok] = (vision or self.embed_images)(images[image_mask.to(images.device)]).to(dt)
             xi[~slot_ok] = 0
             valid[:, :li] = slot_ok.repeat_interleave(n_tok, 1)
         if lt:
@@ -213,53 +217,73 @@ class Pi05(Denoise, Decode, Reference, nn.Module):
         # Every query must see at least one key: a fully masked row would give NaN, and NaN
         # in an unused column still poisons valid rows through 0 * NaN in the value sum.
         key = valid | ~valid.any(1, keepdim=True)
-        groups = e.heads // e.kv_heads
         if cfg.prompt_attention == "bidirectional":
-            mask = None if bool(key.all()) else key[:, None, None, :]
-            last_mask = mask
-
-            def attention(q, kc, vc):
-                return attend(q, kc, vc, mask)
+            full = None if bool(key.all()) and layers is None else key[:, None, None, :]
+            masks = (full, full)
         else:
             # Image queries see the valid images; text queries see them and earlier text.
             # Two calls keep the per-query mask to the text rows.
             img = torch.arange(lp, device=dev) < li
             img_key = key[:, :li] | ~key[:, :li].any(1, keepdim=True)
-            img_mask = img_key[:, None, None, :]
             ptxt = pos[:, li:, None]
             txt = key[:, None, :] & (img[None, None, :] | (pos[:, None, :] <= ptxt))
             txt |= (torch.arange(lp, device=dev) == torch.arange(li, lp, device=dev)[:, None])
-            txt_mask = fold_mask(txt[:, None], groups)
             last_img = (last < li)[:, None]
             last_mask = key & (img | (~last_img & (pos <= pos[ar, last, None])))
             last_mask[ar, last] = True
-            last_mask = last_mask[:, None, None, :]
-
-            def attention(q, kc, vc):
-                parts = []
-                if li:
-                    parts.append(attend(q[:, :li], kc[:, :, :li], vc[:, :, :li], img_mask))
-                if lt:
-                    parts.append(attend(q[:, li:], kc, vc, txt_mask))
-                return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
-
-        for layer, blk in enumerate(self.vlm):
-            q, k, v = blk.qkv_heads(blk.norm1(x))
-            kc, vc = kv.k[layer][rows, :, :lp], kv.v[layer][rows, :, :lp]
-            kc.copy_(rope(k, cos, sin).transpose(1, 2))
-            vc.copy_(v.transpose(1, 2))
-            if layer == e.depth - 1:
-                # Only the last valid token's output is needed past the last layer's keys.
-                x, q = x[ar, last, None], q[ar, last, None]
-                q = rope(q, cos[ar, last, None], sin[ar, last, None])
-                o = attend(q, kc, vc, last_mask)
-            else:
-                o = attention(rope(q, cos, sin), kc, vc)
-            x = x + F.linear(o, blk.o.weight)
-            x = x + blk.mlp(blk.norm2(x))
+            masks = (img_key[:, None, None, :],
+                     fold_mask(txt[:, None], e.heads // e.kv_heads), last_mask[:, None, None, :])
+        hidden, keys, values = (layers or self.prefill_layers)(x, cos, sin, last, masks)
+        for layer in range(e.depth):
+            kv.k[layer][rows, :, :lp] = keys[layer]
+            kv.v[layer][rows, :, :lp] = values[layer]
 
         kv.valid[rows] = False
         kv.valid[rows, :lp] = valid
         kv.length[rows] = lp
         kv.next_pos[rows] = valid.sum(1)
-        return self.vlm_norm(x[:, 0])
+        return hidden
+
+    def prefill_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       last: torch.Tensor, masks: tuple):
+        """The VLM layers over a laid-out prefix ``x`` [B, L, width] (prefill's part that
+        runs the weights): the final-normed hidden state [B, width] at each row's ``last``
+        token, and every layer's keys (after RoPE) and values [B, kv_heads, L, head_dim].
+
+        ``masks`` (True = attend): bidirectional, (full, full) with full [B, 1, 1, L] or
+        None (every column valid); causal, (images [B, 1, 1, I] for the first I columns'
+        queries, text [B, 1, G*(L-I), L] folded per query head group, last [B, 1, 1, L] for
+        the last token's query).
+        """
+        e = self.cfg.vlm
+        b = x.shape[0]
+        ar = torch.arange(b, device=x.device)
+        if len(masks) == 2:
+            def attention(q, kc, vc):
+                return attend(q, kc, vc, masks[0])
+        else:
+            li = masks[0].shape[-1]
+
+            def attention(q, kc, vc):
+                parts = []
+                if li:
+                    parts.append(attend(q[:, :li], kc[:, :, :li], vc[:, :, :li], masks[0]))
+                if q.shape[1] > li:
+                    parts.append(attend(q[:, li:], kc, vc, masks[1]))
+                return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+        keys, values = [], []
+        for layer, blk in enumerate(self.vlm):
+            q, k, v = blk.qkv_heads(blk.norm1(x))
+            kc, vc = rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+            keys.append(kc)
+            values.append(vc)
+            if layer == e.depth - 1:
+                # Only the last valid token's output is needed past the last layer's keys.
+                x, q = x[ar, last, None], q[ar, last, None]
+                q = rope(q, cos[ar, last, None], sin[ar, last, None])
+                o = attend(q, kc, vc, masks[-1])
+            else:
+                o = attention(rope(q, cos, sin), kc, vc)
+            x = x + F.linear(o, blk.o.weight)
+            x = x + blk.mlp(blk.norm2(x))
+        return self.vlm_norm(x[:, 0]), keys, values
