@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..engine import Engine, EngineConfig
-from ..engine.requests import Request, sample
+from ..engine.requests import Request
 from . import fleet as fleet_bench
 from .energy import Meter
 from .workload import _ms, bench_model, observations, times
@@ -69,10 +69,11 @@ class Phases:
         # The rows' bookkeeping after each count of generated tokens a run starts at; the
         # keys and values written on the way stay valid for every shorter start.
         self._at = {}
+        self.runner = engine.scheduler.runner
         with torch.inference_mode():
             for r in range(rows):
-                engine.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv,
-                                     slice(r, r + 1))
+                self.runner.prefill(f.images, f.image_mask, f.tokens, f.token_mask,
+                                    slice(r, r + 1))
             for n in range(max(self.starts.values()) + 1):
                 if n:
                     self._decode(rows)
@@ -82,24 +83,17 @@ class Phases:
 
     def _decode(self, b: int) -> None:
         # A whole decode step: the pass, the output layer and choosing the tokens.
-        e = self.engine
-        static, dev = e.scheduler.static, e.device
-        hidden = static.decode_hidden(list(range(b)), [5] * b) if static is not None \
-            else e.model.decode_hidden(e.cache.kv, torch.arange(b, device=dev),
-                                       torch.full((b,), 5, device=dev))
-        sample(e.model.logits(hidden), self._requests[:b], e.tokenizer.vocab_size)
+        hidden = self.runner.decode(list(range(b)), [5] * b)
+        self.runner.sample(hidden, self._requests[:b], self.engine.tokenizer.vocab_size)
 
     def _prefill(self) -> None:
         f, row = self.frame, self.engine.cache.scratch
-        self.engine.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask,
-                                  self.engine.cache.kv, slice(row, row + 1))
+        self.runner.prefill(f.images, f.image_mask, f.tokens, f.token_mask,
+                            slice(row, row + 1))
 
     def _denoise(self) -> None:
-        e, row = self.engine, self.engine.cache.scratch
-        if e.scheduler.static is not None:
-            e.scheduler.static.denoise(row, self.frame.noise)
-        else:
-            e.model.denoise(e.cache.kv, slice(row, row + 1), self.frame.noise, self.steps)
+        row = self.engine.cache.scratch
+        self.runner.denoise(slice(row, row + 1), self.frame.noise)
 
     @torch.inference_mode()
     def round(self) -> None:
@@ -212,8 +206,9 @@ def run(argv=None) -> dict:
     p.add_argument('--adaptive', action='store_true',
                    help='also sweep fixed k against adaptive k at the largest T')
     p.add_argument('--control-rate', type=float, default=70.0)
-    p.add_argument('--compile', action='store_true',
-                   help='torch.compile the decode and denoise steps (slow start; for CUDA)')
+    p.add_argument('--compile', action=argparse.BooleanOptionalAction, default=True,
+                   help='the compiled model runner where it pays (float32 on a CPU); '
+                        '--no-compile: eager')
     p.add_argument('--graphs', action='store_true',
                    help='static-shape denoise and decode, CUDA graphs on a GPU (graphs: true)')
     p.add_argument('--out', default='benchmarks/out')

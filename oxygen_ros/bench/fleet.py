@@ -83,12 +83,9 @@ class FleetPhases:
         tmask = torch.stack([p[3] for p in parts]).to(dev)
         noise = torch.stack([p[4] for p in parts]).to(dev, dtype)
         block = slice(e.cache.scratch, e.cache.scratch + b)
-        e.model.prefill(images, mask, tokens, tmask, e.cache.kv, block)
-        static = e.scheduler.static
-        if static is not None:
-            static.denoise_rows(list(range(block.start, block.stop)), noise)
-        else:
-            e.model.denoise(e.cache.kv, block, noise, self.steps)
+        runner = e.scheduler.runner
+        runner.prefill(images, mask, tokens, tmask, block)
+        runner.denoise(block, noise)
 
     @torch.inference_mode()
     def round(self) -> None:

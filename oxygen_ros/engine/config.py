@@ -52,7 +52,11 @@ class EngineConfig:
     stop_at_eos: bool = True
     prompt_format: str = 'pi05'  # pi05: openpi's action prompt with state; subtask: OxyGen's
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
-    compile: bool = False  # torch.compile the decode and denoise phases (CUDA)
+    # Run the model's phases compiled where that pays: float32 on a CPU, as AOTInductor
+    # programs built once and loaded from compile_cache (engine/compiled.py). On CUDA, graphs
+    # is the fast path and compile changes nothing; the parallel baseline runs eagerly.
+    compile: bool = True
+    compile_cache: str = ''  # '' = $OXYGEN_COMPILE_CACHE, else ~/.cache/oxygen_ros/compiled
     # Static-shape denoise and decode, captured as CUDA graphs at start-up on CUDA
     # (engine/graphs.py); elsewhere the same static calls run eagerly.
     graphs: bool = False
@@ -91,8 +95,6 @@ class EngineConfig:
             raise ValueError(f'robots must be >= 1, got {self.robots}')
         if self.robots > 1 and self.mode == 'parallel':
             raise ValueError('several robots per frame need a single-copy mode, not parallel')
-        if self.graphs and self.compile:
-            raise ValueError('graphs and compile are alternatives: set one of them')
         if self.graphs and self.mode == 'parallel':
             raise ValueError('graphs are for the single-copy modes, not parallel')
         if self.device.startswith('cuda') and not torch.cuda.is_available():

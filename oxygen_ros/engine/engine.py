@@ -27,11 +27,13 @@ from ..model.processing import NormStats
 from ..model.rtc import Handover
 from ..model.tokenizer import Tokenizer, prompt_tokens
 from .baselines import SCHEDULERS
+from .compiled import Programs
 from .config import EngineConfig
 from .inputs import ModelInputs
 from .io import FleetResult, FrameResult, Observation, RobotInput, TokenEvent
 from .kv_cache import KVCache
-from .loading import compile_phases, load
+from .loading import load
+from .model_runner import ModelRunner
 from .parallel import ParallelScheduler
 from .questions import Questions
 from .runner import OpenFrame, RobotState, Runner
@@ -43,10 +45,11 @@ LIVE = ('temperature', 'decode_k', 'max_new_tokens')
 
 class Engine:
     """``model`` (with ``norm_stats``) bypasses loading: the model's slots and action width
-    are used, in openpi's conventions unless the config says otherwise."""
+    are used, in openpi's conventions unless the config says otherwise. ``log(text)`` hears
+    what start-up takes long for (compiling the model); default: the logging module."""
 
     def __init__(self, cfg: EngineConfig | None = None, model=None, tokenizer=None,
-                 norm_stats: NormStats | None = None):
+                 norm_stats: NormStats | None = None, log=None):
         self.cfg = cfg = cfg or EngineConfig()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -74,8 +77,6 @@ class Engine:
         if self.tokenizer.vocab_size > self.model_cfg.vocab:
             raise ValueError(f'tokenizer has {self.tokenizer.vocab_size} pieces but the model '
                              f'only {self.model_cfg.vocab}')
-        if cfg.compile:
-            compile_phases(model)
         dtype = model.dtype
         budget = cfg.frame_budget_ms or 1000.0 * self.model_cfg.action_horizon / cfg.control_rate_hz
         if cfg.mode == 'parallel':
@@ -92,7 +93,7 @@ class Engine:
                 model, self.cache, denoise_steps=self.denoise_steps,
                 decode_k=cfg.decode_k, frame_budget_ms=budget, admission=cfg.admission,
                 max_pending=cfg.max_pending, vocab_limit=self.tokenizer.vocab_size,
-                graphs=cfg.graphs, phase_timing=cfg.phase_timing, robots=cfg.robots)
+                phase_timing=cfg.phase_timing, runner=self._runner(log))
         self.inputs = ModelInputs(cfg, self.checkpoint, self.tokenizer, self.device, dtype)
         # The robots: '' is step's, a fleet of one on the same path as the added ones (it
         # is not one of them; its noise is the engine's seed's own stream).
@@ -103,6 +104,27 @@ class Engine:
                                    self._owner, lambda: self.runner.refresh())
         self.runner = Runner(cfg, self.scheduler, self.cache, self.inputs, self.questions,
                              self._robots, self._owner, budget)
+
+    def _runner(self, log) -> ModelRunner:
+        """The model runner of the config: CUDA graphs with ``graphs``, compiled programs
+        where ``compile`` pays (float32 on a CPU), else eager."""
+        cfg, model = self.cfg, self.model
+        if cfg.graphs:
+            backend, programs = 'graphs', None
+        elif cfg.compile and model.device.type == 'cpu' and model.dtype == torch.float32:
+            backend = 'compiled'
+            programs = Programs(model, cfg.compile_cache or None, torch.get_num_threads(), log)
+            programs.load()
+        else:
+            backend, programs = 'eager', None
+        return ModelRunner(model, self.cache, self.denoise_steps, backend, cfg.robots,
+                           programs)
+
+    @property
+    def backend(self) -> str:
+        """How the model runs: 'eager', 'graphs' or 'compiled' (model_runner.py)."""
+        runner = getattr(self.scheduler, 'runner', None)
+        return runner.backend if runner is not None else 'eager'
 
     # -- what the checkpoint states (the node checks the robot against these) -------------
 

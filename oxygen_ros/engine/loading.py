@@ -14,19 +14,6 @@ if TYPE_CHECKING:
     from .config import EngineConfig
 
 
-def compile_phases(model) -> None:
-    """Compile the per-token and per-step work, the parts run many times per frame.
-
-    Shapes vary with the batch and the cache length, so the graphs are dynamic; on CUDA the
-    launch overhead these phases are made of is what compiling removes.
-    """
-    if getattr(model, 'compiled', False):
-        return
-    model.decode_hidden = torch.compile(model.decode_hidden, dynamic=True)
-    model._velocity = torch.compile(model._velocity, dynamic=True)
-    model.compiled = True
-
-
 def random_model(model_cfg, device: torch.device, dtype: torch.dtype) -> Pi05:
     """Random weights (timing, demos), initialised where they will run: the full pi05
     config is 13 GB in float32, too much to build on the host first."""

@@ -57,8 +57,7 @@ class ParallelScheduler:
         t0 = self.clock()
         row = self.actor.cache.scratch
         self.actor._prefill(f, row)
-        actions = self.actor.model.denoise(self.actor.cache.kv, slice(row, row + 1), f.noise,
-                                         self.denoise_steps, guide=f.guide)
+        actions = self.actor.runner.denoise(slice(row, row + 1), f.noise, f.guide)
         return actions, self.clock() - t0
 
     @torch.inference_mode()

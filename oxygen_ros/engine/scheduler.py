@@ -37,9 +37,9 @@ import torch
 from ..model.rtc import Guide
 from .admission import Admission
 from .budget import AdaptiveK, Clock
-from .graphs import StaticPhases
 from .kv_cache import KVCache
-from .requests import Request, sample
+from .model_runner import ModelRunner
+from .requests import Request
 
 MODES = ('oxygen', 'shared_kv', 'isolated')  # OxyGen, then the paper's baselines
 
@@ -109,12 +109,20 @@ class Scheduler:
                  decode_k: int = 5, frame_budget_ms: float = 1000 * 10 / 70,
                  admission: str = 'drop_oldest', max_pending: int = 4,
                  vocab_limit: int | None = None, graphs: bool = False,
-                 phase_timing: bool = True, robots: int = 1):
+                 phase_timing: bool = True, robots: int = 1,
+                 runner: ModelRunner | None = None):
+        """``runner`` runs the model calls (model_runner.py); None: an eager one for
+        ``model`` (a CUDA-graph one with ``graphs``)."""
         if denoise_steps < 1:
             raise ValueError(f'denoise_steps must be >= 1, got {denoise_steps}')
         if decode_k < 0:
             raise ValueError(f'decode_k must be >= 0 (0 = adaptive), got {decode_k}')
-        self.model = model
+        if runner is None:
+            runner = ModelRunner(model, cache, denoise_steps,
+                                 'graphs' if graphs else 'eager', robots)
+        elif runner.steps != denoise_steps or runner.cache is not cache:
+            raise ValueError('the runner must run this cache and these denoise steps')
+        self.runner = runner
         self.cache = cache
         self.denoise_steps = denoise_steps
         self.decode_k = decode_k
@@ -126,8 +134,6 @@ class Scheduler:
         self.active: list[Request] = []
         self._hidden: dict[int, torch.Tensor] = {}  # first-token hidden of new requests
         self.clock = Clock(cache.kv.device, phase_timing)
-        # Static shapes (CUDA graphs on a GPU) for the unguided denoise and the decode step.
-        self.static = StaticPhases(model, cache, denoise_steps, robots) if graphs else None
         self.deadline_misses = 0
 
     # -- requests --------------------------------------------------------------------------
@@ -163,22 +169,13 @@ class Scheduler:
     # -- phases ----------------------------------------------------------------------------
 
     def _prefill(self, f: Frame, row: int) -> torch.Tensor:
-        return self.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask,
-                                  self.cache.kv, slice(row, row + 1))
-
-    def _denoise(self, f: Frame, row: int) -> torch.Tensor:
-        if self.static is not None and f.guide is None:
-            return self.static.denoise(row, f.noise)[0]
-        # Guided (real-time chunking): the guidance differentiates through the expert,
-        # which a captured graph cannot, so it runs eagerly.
-        return self.model.denoise(self.cache.kv, slice(row, row + 1), f.noise,
-                                  self.denoise_steps, guide=f.guide)[0]
+        return self.runner.prefill(f.images, f.image_mask, f.tokens, f.token_mask,
+                                   slice(row, row + 1))
 
     def _start(self, request: Request, row: int, hidden: torch.Tensor) -> None:
         """``row`` holds the request's prefix and ``hidden`` the state after its last token."""
         if request.extension:
-            tokens = torch.tensor(request.extension, device=self.cache.kv.device)
-            hidden = self.model.extend(self.cache.kv, row, tokens)
+            hidden = self.runner.extend(row, request.extension)
         request.row = row
         self.active.append(request)
         self._hidden[request.id] = hidden
@@ -191,18 +188,14 @@ class Scheduler:
             return 0
         hidden = []
         if passes:
-            rows, last = [r.row for r in passes], [r.tokens[-1] for r in passes]
-            if self.static is not None:
-                hidden.append(self.static.decode_hidden(rows, last))
-            else:
-                dev = self.cache.kv.device
-                hidden.append(self.model.decode_hidden(
-                    self.cache.kv, torch.tensor(rows, device=dev), torch.tensor(last, device=dev)))
+            hidden.append(self.runner.decode([r.row for r in passes],
+                                             [r.tokens[-1] for r in passes]))
         hidden += [self._hidden.pop(r.id) for r in fresh]
         # Fresh requests' first tokens share the batch's one pass over the output layer.
-        logits = self.model.logits(torch.cat(hidden) if len(hidden) > 1 else hidden[0])
         batch = passes + fresh
-        for r, t in zip(batch, sample(logits, batch, self.vocab_limit)):
+        tokens = self.runner.sample(torch.cat(hidden) if len(hidden) > 1 else hidden[0],
+                                    batch, self.vocab_limit)
+        for r, t in zip(batch, tokens):
             r.append(t)
             out.tokens.append((r, t, len(r.tokens), r.finished))
             if r.finished:
@@ -296,17 +289,11 @@ class Scheduler:
         failure in the model raises BatchError, with the rows planned for its requests
         given back."""
         f, block, clock = plan.frame, plan.block, self.clock
-        kv = self.cache.kv
         try:
-            plan.hidden = self.model.prefill(f.images, f.image_mask, f.tokens, f.token_mask,
-                                             kv, block)
+            plan.hidden = self.runner.prefill(f.images, f.image_mask, f.tokens,
+                                              f.token_mask, block)
             t1 = clock()
-            if self.static is not None and f.guide is None:
-                actions = self.static.denoise_rows(list(range(block.start, block.stop)),
-                                                   f.noise)
-            else:
-                actions = self.model.denoise(kv, block, f.noise, self.denoise_steps,
-                                             guide=f.guide)
+            actions = self.runner.denoise(block, f.noise, f.guide)
             t2 = clock()
         except Exception as e:
             self.abandon(plan)
@@ -327,11 +314,10 @@ class Scheduler:
         prefill (copied into their rows), then the frame's decode steps over every active
         request, whichever robot's, in one batch."""
         f, block, out, clock = plan.frame, plan.block, plan.out, self.clock
-        kv = self.cache.kv
         # Copies first: a request starting in its observation's own row may extend it.
         for i, _r, row in plan.born:
             if row != block.start + i:
-                kv.copy_row(block.start + i, row)
+                self.runner.copy_row(block.start + i, row)
         for i, r, row in plan.born:
             self._start(r, row, plan.hidden[i:i + 1])
         self._own_prefills(f, plan.requests, out)

@@ -168,9 +168,14 @@ PARAMS = (
           "replayed (oxygen-replay) gives the same chunk for the same frame"),
     Param('prompt_format', 'pi05', "'pi05' (task + state) or 'subtask'",
           choices=PROMPT_FORMATS),
-    Param('compile', False, 'torch.compile the decode and denoise steps (for CUDA; slow start)'),
+    Param('compile', True, 'run the model compiled where that pays (float32 on a CPU): '
+          'AOTInductor programs of its phases, built at configure the first time for these '
+          'model dims (tens of seconds each on two cores) and loaded from compile_cache '
+          'after that; on CUDA graphs is the fast path and this changes nothing'),
+    Param('compile_cache', '', "directory of the compiled programs; '' = "
+          '$OXYGEN_COMPILE_CACHE, else ~/.cache/oxygen_ros/compiled'),
     Param('graphs', False, 'static-shape denoise and decode, captured as CUDA graphs at '
-          'configure on CUDA (an alternative to compile)'),
+          'configure on CUDA (on a CPU the same static calls run eagerly: for tests)'),
     Param('rtc', False, 'real-time chunking: each chunk is sampled to continue the one being '
           'executed, so chunk switches do not jump'),
     Param('rtc_beta', 5.0, 'real-time chunking: largest guidance weight', low=0.0),
@@ -297,7 +302,7 @@ ENGINE_KEYS = ('model', 'checkpoint', 'normalize', 'conventions', 'asset_id', 't
                'device', 'threads', 'denoise_steps', 'mode', 'decode_k', 'frame_budget_ms',
                'max_requests', 'max_new_tokens', 'admission', 'temperature', 'stop_at_eos',
                'seed', 'frame_noise',
-               'prompt_format', 'compile', 'graphs', 'rtc', 'rtc_beta',
+               'prompt_format', 'compile', 'compile_cache', 'graphs', 'rtc', 'rtc_beta',
                'max_question_tokens')
 
 

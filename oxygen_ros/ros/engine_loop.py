@@ -176,9 +176,10 @@ class EngineLoop:
                                      f'narration not sent: {e}')
 
 
-def start_engine(cfg, links, fleet: bool):
+def start_engine(cfg, links, fleet: bool, say=None):
     """The engine for the node's settings (``cfg``) and robots (each link's Config is checked
-    against it and learns its tokenizer); StartError saying what is wrong."""
+    against it and learns its tokenizer); StartError saying what is wrong. ``say(text)``
+    hears what takes long (compiling the model the first time)."""
     from oxygen_ros.engine import Engine, EngineConfig
     from oxygen_ros.model.tokenizer import prompt_tokens
 
@@ -188,7 +189,7 @@ def start_engine(cfg, links, fleet: bool):
         # The frame budget of the robot whose chunks are shortest.
         settings['control_rate_hz'] = max(2.0 / link.cfg.action_period for link in links)
     try:
-        e = Engine(EngineConfig.from_dict(settings))
+        e = Engine(EngineConfig.from_dict(settings), log=say)
     except (ValueError, OSError) as err:
         raise StartError(f'cannot start the engine: {err}') from None
     except Exception as err:  # e.g. a corrupt safetensors file raises its own error type
@@ -217,13 +218,16 @@ def start_engine(cfg, links, fleet: bool):
 
 def describe_weights(cfg, e) -> str:
     """What the engine runs, for the start-up log."""
+    runs = f'run {e.backend}'
+    if e.backend == 'eager' and e.cfg.compile and e.device.type == 'cpu':
+        runs += f' (compile is for float32 models; this one is {e.model.dtype})'
     if cfg.random_weights:
         return (f'model {cfg.p.model or "small"} with RANDOM weights (seed '
-                f'{cfg.p.seed}, no checkpoint): not a trained policy')
+                f'{cfg.p.seed}, no checkpoint): not a trained policy; {runs}')
     w = e.weights
     text = (f'{w["layout"]} checkpoint {cfg.p.checkpoint} ({e.conventions} conventions, '
             f'normalisation {w["normalization"] or "off"}; tokenizer {e.tokenizer.source}, '
-            f'{e.tokenizer_from})')
+            f'{e.tokenizer_from}); {runs}')
     if e.cfg.rtc and e.rtc_unguided:
         text += (f'; real-time chunking leaves action dims {list(e.rtc_unguided)} unguided '
                  f'(constant in the checkpoint\'s stats)')

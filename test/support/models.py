@@ -45,7 +45,8 @@ LENGTHS = [24, 10, 3]
 def asking_engine(model, tokenizer, **kw):
     """An engine on `model` with ~/ask's logic (Asks) active on it: two rows, five tokens."""
     cfg = dict(model='tiny', decode_k=1, max_requests=2, max_new_tokens=5, stop_at_eos=False,
-               prompt_format='subtask', admission='reject_newest', max_question_tokens=48)
+               prompt_format='subtask', admission='reject_newest', max_question_tokens=48,
+               compile=False)
     cfg.update(kw)
     engine = Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)
     asks = Asks()

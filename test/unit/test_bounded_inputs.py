@@ -194,7 +194,7 @@ def test_reporter_keys_past_the_cap_fold_into_other():
 def engine():
     torch.manual_seed(0)
     model = Pi05(load_config('tiny')).to_inference('cpu')
-    cfg = EngineConfig(model='tiny', decode_k=1, max_requests=2, max_new_tokens=5,
+    cfg = EngineConfig(model='tiny', compile=False, decode_k=1, max_requests=2, max_new_tokens=5,
                        prompt_format='subtask', max_question_tokens=48)
     return Engine(cfg, model=model, tokenizer=Tokenizer.default())
 

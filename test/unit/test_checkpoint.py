@@ -375,7 +375,7 @@ def test_engine_on_an_openpi_directory_cuts_to_the_robot_dims(tmp_path):
     from oxygen_ros.engine import Engine, EngineConfig, Observation
     # The built-in tokenizer's vocabulary, which it then runs with.
     eng = Engine(EngineConfig(checkpoint=str(openpi_dir(tmp_path, vocab=512)), seed=0,
-                              max_requests=1, max_new_tokens=2))
+                              max_requests=1, max_new_tokens=2, compile=False))
     assert eng.tokenizer_from.startswith("built-in")
     assert (eng.state_dim, eng.action_dim, eng.model_action_dim) == (3, 5, 8)
     noise = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
@@ -386,7 +386,7 @@ def test_engine_on_an_openpi_directory_cuts_to_the_robot_dims(tmp_path):
     # raw actions, all 8 dims.
     raw = Engine(EngineConfig(checkpoint=str(openpi_dir(tmp_path / "b", vocab=512)), seed=0,
                               max_requests=1, max_new_tokens=2, normalize=False,
-                              prompt_format="pi05"))
+                              prompt_format="pi05", compile=False))
     assert raw.action_dim == 8 and raw.state_dim is None  # no stats: the model's width
     st, ac = OPENPI_STATS["state"], OPENPI_STATS["actions"]
     lo, hi = np.array(st["q01"]), np.array(st["q99"])
@@ -444,7 +444,8 @@ SPM_448 = FIXTURES / "openpi_pi05" / "tokenizer.model"  # 448 pieces; the built-
 
 def engine_on(path, **kw):
     from oxygen_ros.engine import Engine, EngineConfig
-    return Engine(EngineConfig(checkpoint=str(path), max_requests=1, max_new_tokens=2, **kw))
+    return Engine(EngineConfig(checkpoint=str(path), max_requests=1, max_new_tokens=2,
+                               compile=False, **kw))
 
 
 @pytest.fixture(scope="module")

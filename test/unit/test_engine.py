@@ -30,7 +30,7 @@ def tokenizer():
 
 def make_engine(model, tokenizer, norm_stats=None, **kw):
     cfg = dict(model='tiny', mode='oxygen', decode_k=2, max_requests=4, max_new_tokens=5,
-               stop_at_eos=False, prompt_format='subtask', seed=7)
+               stop_at_eos=False, prompt_format='subtask', seed=7, compile=False)
     cfg.update(kw)
     return Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer, norm_stats=norm_stats)
 
@@ -441,7 +441,7 @@ def test_parallel_matches_isolated(model, tokenizer):
     for x, y in zip(a_iso, a_par):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
     assert t_par == t_iso and len(t_iso) == 4
-    assert par.scheduler.lang.model is not model
+    assert par.scheduler.lang.runner.model is not model
     assert torch.get_num_threads() == threads
 
 

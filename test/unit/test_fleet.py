@@ -41,7 +41,7 @@ def observations(cfg, robot, n, seed):
 
 def engine(model, **kw):
     cfg = dict(model='tiny', mode='oxygen', decode_k=2, max_requests=4, max_new_tokens=5,
-               stop_at_eos=False, prompt_format='subtask', seed=7)
+               stop_at_eos=False, prompt_format='subtask', seed=7, compile=False)
     cfg.update(kw)
     return Engine(EngineConfig(**cfg), model=model, tokenizer=Tokenizer.default())
 
@@ -115,7 +115,7 @@ def test_batched_frames_equal_each_robot_alone(model, graphs, mode):
     assert len({tuple(t) for t in seen.values()}) > 6
     assert fleet.stats()['rtc_frames'] == 2 * (n - 2)
     if graphs:
-        static = fleet.scheduler.static
+        static = fleet.scheduler.runner.static
         assert static.denoise_batches == [1, 2, 4]  # three robots run padded to four
         assert (4, static.columns[-1]) in static._denoise
 

@@ -30,7 +30,7 @@ def tokenizer():
 def make_engine(model, tokenizer, **kw):
     cfg = dict(model='tiny', mode='oxygen', decode_k=2, max_requests=4, max_new_tokens=6,
                stop_at_eos=False, prompt_format='subtask', seed=7, admission='reject_newest',
-               max_question_tokens=48)
+               max_question_tokens=48, compile=False)
     cfg.update(kw)
     return Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)
 

@@ -121,8 +121,9 @@ def test_frozen_steps_are_the_previous_chunks_and_the_overlap_moves_towards_it()
 def engine(rtc=True, beta=5.0, norm=None, mode='oxygen'):
     torch.manual_seed(0)
     model = Pi05(load_config('tiny', action_horizon=H)).to_inference('cpu')
-    cfg = EngineConfig(model='tiny', mode=mode, decode_k=1, max_requests=2, max_new_tokens=3,
-                       prompt_format='subtask', seed=3, rtc=rtc, rtc_beta=beta)
+    cfg = EngineConfig(model='tiny', compile=False, mode=mode, decode_k=1, max_requests=2,
+                       max_new_tokens=3, prompt_format='subtask', seed=3, rtc=rtc,
+                       rtc_beta=beta)
     return Engine(cfg, model=model, tokenizer=Tokenizer.default(), norm_stats=norm)
 
 
