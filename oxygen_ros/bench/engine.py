@@ -29,7 +29,7 @@ from ..engine import Engine, EngineConfig
 from ..engine.requests import Request
 from . import fleet as fleet_bench
 from .energy import Meter
-from .workload import _ms, bench_model, observations, times
+from .workload import _ms, bench_model, frame_flops, gemm_gflops, observations, times
 
 MODES = ('isolated', 'shared_kv', 'parallel', 'oxygen')
 
@@ -51,7 +51,8 @@ class Phases:
     the timing.
     """
 
-    def __init__(self, engine: Engine, steps: int, runs: dict[int, int], length: int = 0):
+    def __init__(self, engine: Engine, steps: int, runs: dict[int, int], length: int = 0,
+                 cameras: int = 3):
         self.engine, self.steps, self.runs = engine, steps, dict(runs)
         rows = max(runs)
         if rows > engine.cache.max_requests:
@@ -62,7 +63,7 @@ class Phases:
         if any(self.starts[b] + n > room for b, n in runs.items()):
             raise ValueError(f'decode runs {runs} at average length {length} do not fit '
                              f'in KV rows of {room} tokens')
-        self.frame = engine.frame(next(observations(engine.model_cfg, 1, 3)))
+        self.frame = engine.frame(next(observations(engine.model_cfg, 1, cameras)))
         self._requests = [Request(stamp=0.0) for _ in range(rows)]
         self.times = {'prefill': [], 'denoise': [], **{b: [] for b in runs}}
         kv, f = engine.cache.kv, self.frame
@@ -113,9 +114,9 @@ class Phases:
 
 
 def phase_times(engine: Engine, steps: int, repeats: int, runs: dict[int, int],
-                length: int = 0) -> dict:
+                length: int = 0, cameras: int = 3) -> dict:
     """``repeats`` rounds of Phases on ``engine``, back to back."""
-    phases = Phases(engine, steps, runs, length)
+    phases = Phases(engine, steps, runs, length, cameras)
     for _ in range(repeats):
         phases.round()
     return phases.result()
@@ -242,8 +243,10 @@ def run(argv=None) -> dict:
     held = torch.cuda.memory_allocated(device) if device.type == 'cuda' else 0
     timer = engine('oxygen', t_max)  # the engine the phases are timed on
     rows_max = min(max_batch, timer.cache.max_requests)
+    gemm = [gemm_gflops(device)]  # the machine's rate, before the model's and after
     phases = phase_times(timer, args.N, args.repeats, {b: run for b in range(1, rows_max + 1)},
-                         length)
+                         length, args.cameras)
+    flops = frame_flops(timer, next(observations(timer.model_cfg, 1, args.cameras)))
     if device.type == 'cuda':
         held = torch.cuda.memory_allocated(device) - held
     P, D, d = phases['prefill_ms'], phases['denoise_ms'], phases['decode_ms']
@@ -266,7 +269,8 @@ def run(argv=None) -> dict:
         # of phases describes its frame.)
         b = min(math.ceil(T / args.k), rows_max) if mode == 'oxygen' else 1
         n = min(args.k, T) if mode == 'oxygen' else T
-        own = Phases(timer, args.N, {b: n}, T // 2) if mode != 'parallel' else None
+        own = Phases(timer, args.N, {b: n}, T // 2, args.cameras) \
+            if mode != 'parallel' else None
         r = run_mode(e, args.frames, args.warmup, args.cameras, own)
         r.update(mode=mode, T=T, N=args.N, k=args.k if mode == 'oxygen' else T)
         if device.type == 'cuda':
@@ -310,10 +314,18 @@ def run(argv=None) -> dict:
                      budget_ms=e.scheduler.frame_budget_ms)
             sweep.append(r)
 
+    gemm.append(gemm_gflops(device))
+    rate = flops['action_path'] / ((P + D) * 1e6)
+    arithmetic = dict(flops=flops, gemm_gflops=gemm, action_path_gflops=rate,
+                      of_gemm=rate / float(np.median(gemm)))
+    print(f"action path (prefill + {args.N} denoise steps): {flops['action_path'] / 1e6:.0f} "
+          f"MFLOP in {P + D:.1f} ms = {rate:.1f} GFLOP/s, {arithmetic['of_gemm']:.2f} of the "
+          f"machine's {2048}^3 product rate ({', '.join(f'{g:.0f}' for g in gemm)} GFLOP/s "
+          f"before and after)")
     report = dict(config=args.config, params=params, device=str(device), dtype=str(dtype),
                   threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
                   N=args.N, k=args.k, compile=args.compile, graphs=args.graphs,
-                  phases=phases, results=rows,
+                  backend=timer.backend, phases=phases, arithmetic=arithmetic, results=rows,
                   k_sweep=sweep)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

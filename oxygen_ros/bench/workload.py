@@ -56,3 +56,39 @@ def times(x) -> str:
     """A ratio for a table: '-' where it has no value (one mode run alone has nothing to be
     compared with), never 'nanx'."""
     return f'{x:.2f}x' if x is not None and np.isfinite(x) else '-'
+
+
+def gemm_gflops(device, size: int = 2048, repeats: int = 5) -> float:
+    """The machine's matrix-product rate at the current threads: the median of ``repeats``
+    float32 [size x size] products, in GFLOP/s. What the model's own rate is compared with,
+    measured in the same run (machines here differ and drift)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=g)
+    b = torch.randn(size, size, device=device, generator=g)
+    a @ b
+    return 2 * size ** 3 / (_median_ms(lambda: a @ b, device, repeats) * 1e6)
+
+
+def frame_flops(engine, obs) -> dict:
+    """FLOPs of one frame's phases on ``engine`` (torch's FLOP counter on the eager model,
+    whichever runner the engine has): the action path (prefill and denoise of ``obs``) and
+    one decode step at batch 1."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    f = engine.frame(obs)
+    m, kv = engine.model, engine.cache.kv
+    row = engine.cache.scratch
+    out = {}
+    with torch.inference_mode():
+        with FlopCounterMode(display=False) as c:
+            m.prefill(f.images, f.image_mask, f.tokens, f.token_mask, kv, slice(row, row + 1))
+        out['prefill'] = c.get_total_flops()
+        with FlopCounterMode(display=False) as c:
+            m.denoise(kv, slice(row, row + 1), f.noise, engine.denoise_steps)
+        out['denoise'] = c.get_total_flops()
+        with FlopCounterMode(display=False) as c:
+            m.decode_step(kv, torch.tensor([row]), torch.tensor([5]))
+        out['decode_step'] = c.get_total_flops()
+    kv.clear(slice(row, row + 1))
+    out['action_path'] = out['prefill'] + out['denoise']
+    return out
