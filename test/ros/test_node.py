@@ -26,7 +26,7 @@ from support.node import (  # noqa: E402
     on_path,
     run_node,
 )
-from support.process import node_env, wait_for, write_params  # noqa: E402
+from support.process import new_domain, node_env, wait_for, write_params  # noqa: E402
 
 
 @pytest.fixture(scope='module')
@@ -460,3 +460,34 @@ def test_a_checkpoint_without_its_tokenizer_fails_configure(tmp_path, domain, pa
                  'google/paligemma-3b-pt-224', 'as tokenizer'):
         assert part in out.stderr + out.stdout, (part, out.stderr + out.stdout)
     assert 'Traceback' not in out.stderr + out.stdout
+
+
+def test_the_node_runs_the_model_compiled_by_default(tmp_path_factory):
+    """On a CPU the node runs the compiled model unless told not to (compile: true is the
+    default), and says so at configure. The programs are built here first, into the cache
+    the node reads: the first build of a model's dims takes longer than the tests wait for a
+    node to start, and the node only loads them."""
+    import os
+
+    import torch
+
+    from oxygen_ros.engine import random_model
+    from oxygen_ros.engine.compiled import Programs
+    from oxygen_ros.model import load_config
+
+    tmp = tmp_path_factory.mktemp('compiled_node')
+    cache = os.environ.get('OXYGEN_COMPILE_CACHE') or str(tmp / 'programs')
+    model = random_model(load_config('tiny'), torch.device('cpu'), torch.float32)
+    programs = Programs(model, cache, threads=1)
+    programs.load()
+    params = {k: v for k, v in PARAMS.items() if k != 'compile'}
+    params['compile_cache'] = cache
+    with node_process(tmp, params, new_domain(102, 120), 'fake_robot', Robot,
+                      '-r', 'front/image:=/remapped/front') as (proc, r):
+        r.proc = proc
+        assert wait_for(lambda: 'configured:' in r.log() or proc.poll() is not None, 60)
+        assert re.search(r'configured: model tiny with RANDOM weights .*; run compiled', r.log())
+        assert 'compiling the model' not in r.log()  # loaded, not built again
+        r.leave_out = set()
+        assert wait_for(lambda: len(r.traj) > 20, 30), 'no trajectories:\n' + r.log()
+        assert_alive_and_commanding(r, params)

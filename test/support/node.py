@@ -41,7 +41,8 @@ RATE = 70.0
 
 PARAMS = {
     'autostart': True, 'allow_random_weights': True,
-    'model': 'tiny', 'threads': 1, 'seed': 0,
+    # The node's logic runs eagerly here; test_node's compiled node checks the default.
+    'model': 'tiny', 'threads': 1, 'seed': 0, 'compile': False,
     'robot': 'droid', 'profile_options': '{velocity: true}',
     'cameras': ['front', 'wrist'],
     'camera_topics': ['front/image', 'wrist/image'],
