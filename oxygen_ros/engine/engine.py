@@ -16,6 +16,7 @@ that robot's next frame.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import zlib
 
@@ -39,14 +40,17 @@ from .questions import Questions
 from .runner import OpenFrame, RobotState, Runner
 from .scheduler import Frame
 
+logger = logging.getLogger('oxygen_ros.engine')
+
 # What apply() may change while running, and what each changes.
 LIVE = ('temperature', 'decode_k', 'max_new_tokens')
 
 
 class Engine:
     """``model`` (with ``norm_stats``) bypasses loading: the model's slots and action width
-    are used, in openpi's conventions unless the config says otherwise. ``log(text)`` hears
-    what start-up takes long for (compiling the model); default: the logging module."""
+    are used, in openpi's conventions unless the config says otherwise. ``log`` (anything
+    with ``info`` and ``warning``, as logging's and rclpy's loggers) hears what start-up
+    takes long for (compiling the model) and what fails there; default: logging's."""
 
     def __init__(self, cfg: EngineConfig | None = None, model=None, tokenizer=None,
                  norm_stats: NormStats | None = None, log=None):
@@ -105,7 +109,7 @@ class Engine:
         self.runner = Runner(cfg, self.scheduler, self.cache, self.inputs, self.questions,
                              self._robots, self._owner, budget)
 
-    def _runner(self, log) -> ModelRunner:
+    def _runner(self, log=None) -> ModelRunner:
         """The model runner of the config: CUDA graphs with ``graphs``, compiled programs
         where ``compile`` pays (float32 on a CPU), else eager."""
         cfg, model = self.cfg, self.model
@@ -113,8 +117,16 @@ class Engine:
             backend, programs = 'graphs', None
         elif cfg.compile and model.device.type == 'cpu' and model.dtype == torch.float32:
             backend = 'compiled'
-            programs = Programs(model, cfg.compile_cache or None, torch.get_num_threads(), log)
-            programs.load()
+            log = log or logger
+            programs = Programs(model, cfg.compile_cache or None, torch.get_num_threads(),
+                                log.info)
+            try:
+                programs.load()
+            except Exception as e:  # noqa: BLE001 - no compiler, a full disk, torch's own
+                # The model still runs, slower: said loudly rather than refusing to start.
+                log.warning(f'compiling the model failed ({type(e).__name__}: {e}); it runs '
+                            f'eagerly (compile: false skips compiling)')
+                backend, programs = 'eager', None
         else:
             backend, programs = 'eager', None
         return ModelRunner(model, self.cache, self.denoise_steps, backend, cfg.robots,

@@ -176,10 +176,10 @@ class EngineLoop:
                                      f'narration not sent: {e}')
 
 
-def start_engine(cfg, links, fleet: bool, say=None):
+def start_engine(cfg, links, fleet: bool, log=None):
     """The engine for the node's settings (``cfg``) and robots (each link's Config is checked
-    against it and learns its tokenizer); StartError saying what is wrong. ``say(text)``
-    hears what takes long (compiling the model the first time)."""
+    against it and learns its tokenizer); StartError saying what is wrong. ``log`` (the
+    node's logger) hears what takes long (compiling the model the first time)."""
     from oxygen_ros.engine import Engine, EngineConfig
     from oxygen_ros.model.tokenizer import prompt_tokens
 
@@ -189,7 +189,7 @@ def start_engine(cfg, links, fleet: bool, say=None):
         # The frame budget of the robot whose chunks are shortest.
         settings['control_rate_hz'] = max(2.0 / link.cfg.action_period for link in links)
     try:
-        e = Engine(EngineConfig.from_dict(settings), log=say)
+        e = Engine(EngineConfig.from_dict(settings), log=log)
     except (ValueError, OSError) as err:
         raise StartError(f'cannot start the engine: {err}') from None
     except Exception as err:  # e.g. a corrupt safetensors file raises its own error type

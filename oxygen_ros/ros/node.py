@@ -187,7 +187,7 @@ class OxygenNode(LifecycleNode):
     def _configure(self):
         cfg = self.cfg
         self.reporter.period = cfg.p.report_period
-        self.engine = e = start_engine(cfg, self.links, bool(self.fleet), self.log.info)
+        self.engine = e = start_engine(cfg, self.links, bool(self.fleet), self.log)
         self._setup_ros()
         self.log.info(f'configured: {describe_weights(cfg, e)}; chunks of {e.action_horizon} x '
                       f'{e.action_dim} in {e.denoise_steps} steps; cameras -> slots '

@@ -231,3 +231,33 @@ def test_compile_applies_to_float32_on_the_cpu_only(model, cache, monkeypatch):
     assert Engine(EngineConfig(**base), model=bf16, tokenizer=tok).backend == 'eager'
     with pytest.raises(ValueError, match='float32 models on the CPU'):
         Programs(bf16)
+
+
+def test_a_model_that_cannot_be_compiled_runs_eagerly_and_says_why(model, tmp_path,
+                                                                    monkeypatch):
+    """No C++ compiler, a full disk: the engine still starts, runs the model eagerly, and
+    warns with the reason (the node's log gets it)."""
+    def broken(self, name, path):
+        raise OSError('no C++ compiler found')
+    monkeypatch.setattr(Programs, '_build', broken)
+
+    class Log:
+        def __init__(self):
+            self.lines, self.warnings = [], []
+
+        def info(self, text):
+            self.lines.append(text)
+
+        def warning(self, text):
+            self.warnings.append(text)
+
+    log = Log()
+    cfg = EngineConfig(model='tiny', max_requests=2, max_new_tokens=3, compile=True,
+                       compile_cache=str(tmp_path))
+    e = Engine(cfg, model=model, tokenizer=Tokenizer.default(), log=log)
+    assert e.backend == 'eager'
+    assert log.warnings == ['compiling the model failed (OSError: no C++ compiler found); it '
+                            'runs eagerly (compile: false skips compiling)']
+    assert any('compiling the model for this CPU' in t for t in log.lines)
+    obs = next(observations(model.cfg, 1))
+    assert np.isfinite(e.step(obs).actions).all()
