@@ -182,7 +182,8 @@ def memory_mb(engine: Engine) -> float:
     if engine.device.type == 'cuda':
         return torch.cuda.max_memory_allocated(engine.device) / 2**20
     s = engine.scheduler
-    models = [s.actor.model, s.lang.model] if s.mode == 'parallel' else [engine.model]
+    models = [s.actor.runner.model, s.lang.runner.model] if s.mode == 'parallel' \
+        else [engine.model]
     caches = [s.actor.cache, s.lang.cache] if s.mode == 'parallel' else [engine.cache]
     n = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
     n += sum(c.total_bytes for c in caches)

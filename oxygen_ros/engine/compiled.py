@@ -28,6 +28,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +55,9 @@ PROGRAMS = tuple(WEIGHTS)
 _MODEL_DIR = Path(__file__).resolve().parent.parent / 'model'
 _SOURCES = (Path(__file__).resolve(), *sorted(_MODEL_DIR.glob('*.py')))
 _BIG = 1 << 16  # the largest batch, prefix or cache dimension a program is built for
+# Models up to this many parameters are built side by side in worker processes (each makes
+# random weights of the model's dims); bigger ones one program after another, here.
+_WORKER_PARAMS = 200_000_000
 
 
 @functools.cache
@@ -114,6 +119,18 @@ def _decode(model, k, v, valid, length, next_pos, rows, tokens, cos_t, sin_t):
     return model.decode_hidden(kv, rows, tokens, kv.max_len, rope_tables=(cos_t, sin_t))
 
 
+def _build_one(config: dict, name: str, cache_dir: str, threads: int) -> float:
+    """A worker's part of Programs.load: program ``name`` for a model of ``config``'s dims
+    built into ``cache_dir``; the seconds it took."""
+    from ..model import ModelConfig, Pi05
+
+    torch.set_num_threads(threads)
+    model = Pi05(ModelConfig.from_dict(config)).to_inference('cpu', torch.float32)
+    t0 = time.monotonic()
+    Programs(model, cache_dir, threads, say=lambda _: None).load([name], workers=1)
+    return time.monotonic() - t0
+
+
 def stack_mods(mods) -> torch.Tensor:
     """One step's modulations (Pi05._modulations: [norm] -> (1 + scale, shift, gate)) as the
     velocity program takes them: [norms, 3, width], fp32."""
@@ -166,14 +183,20 @@ class Programs:
         """The programs already on disk."""
         return [p for p in PROGRAMS if self.path(p).is_file()]
 
-    def load(self, names=PROGRAMS) -> None:
+    def load(self, names=PROGRAMS, workers: int | None = None) -> None:
         """Every program in ``names``, from the cache or built into it now (one process at
-        a time per program: another that builds the same waits and loads it)."""
+        a time per program: another that builds the same waits and loads it). Several
+        missing programs are built side by side in ``workers`` processes (default: one per
+        core, at most one per program); each spends most of its time in the C++ compiler."""
         missing = [n for n in names if n not in self._run and not self.path(n).is_file()]
-        if missing:
-            self.say(f'compiling the model for this CPU ({", ".join(missing)}): about '
-                     f'{20 * len(missing)} s on two cores, once; cached in {self.dir}')
         self.dir.mkdir(parents=True, exist_ok=True)
+        if missing:
+            workers = min(len(missing), workers or os.cpu_count() or 1)
+            self.say(f'compiling the model for this CPU ({", ".join(missing)}), once for '
+                     f'these dims: about {15 * len(missing) // workers + 10} s on '
+                     f'{workers} core(s); cached in {self.dir}')
+            if workers > 1 and self._buildable_elsewhere():
+                self._build_side_by_side(missing, workers)
         for name in names:
             if name in self._run:
                 continue
@@ -185,9 +208,44 @@ class Programs:
                 if fresh:
                     self._build(name, path)
                 self._run[name] = torch._inductor.aoti_load_package(str(path))
-                self.built[name] = time.monotonic() - t0 if fresh else 0.0
-            if fresh:
-                self.say(f'compiled {name} in {self.built[name]:.1f} s')
+                if fresh:
+                    self.built[name] = time.monotonic() - t0
+                    self.say(f'compiled {name} in {self.built[name]:.1f} s')
+                else:
+                    self.built.setdefault(name, 0.0)
+
+    def _buildable_elsewhere(self) -> bool:
+        """Whether a worker process may make a model of these dims to trace: the programs
+        depend on the dims only, so a worker builds from random weights of its own, which
+        must fit beside this process's."""
+        return sum(w.numel() for w in self.model.parameters()) <= _WORKER_PARAMS
+
+    def _build_side_by_side(self, names: list[str], workers: int) -> None:
+        """``names`` built by ``workers`` fresh interpreters at a time (not forked: this
+        process may run threads; not multiprocessing's spawn either, which would import
+        this process's main module again)."""
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        config = json.dumps(self.model.cfg.to_dict())
+        waiting, running = list(names), {}
+        while waiting or running:
+            while waiting and len(running) < workers:
+                name = waiting.pop(0)
+                proc = subprocess.Popen(
+                    [sys.executable, '-m', 'oxygen_ros.engine.compiled', name, str(self.dir),
+                     str(self.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, env=env, text=True)
+                proc.stdin.write(config)
+                proc.stdin.close()
+                running[name] = proc
+            name = next(iter(running))
+            proc = running.pop(name)
+            out = proc.stdout.read()
+            if proc.wait() != 0:
+                for other in running.values():
+                    other.kill()
+                raise RuntimeError(f'building program {name} failed:\n{out[-2000:]}')
+            self.built[name] = float(out.strip().splitlines()[-1])
+            self.say(f'compiled {name} in {self.built[name]:.1f} s')
 
     def _build(self, name: str, path: Path) -> None:
         args, dims = self._example(name)
@@ -314,3 +372,9 @@ class Programs:
         cos_t, sin_t = self.model._rope_for(kv.max_len + 1)
         return self._call('decode', *kv.k, *kv.v, kv.valid, kv.length, kv.next_pos, rows,
                           tokens, cos_t, sin_t)[0]
+
+
+if __name__ == '__main__':
+    # A worker of Programs._build_side_by_side: NAME DIR THREADS, the config as JSON on stdin;
+    # the seconds the build took, last on stdout.
+    print(_build_one(json.loads(sys.stdin.read()), sys.argv[1], sys.argv[2], int(sys.argv[3])))

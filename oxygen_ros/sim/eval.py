@@ -64,6 +64,9 @@ VIDEO_FPS = 25
 # come, and how long a frame takes.
 NODE_FIGURES = ('action_latency_ms_p50', 'action_latency_ms_p99', 'chunk_interval_ms_p99',
                 'frame_ms_p50', 'frame_ms_p99')
+# And its counters, as each episode's share: control ticks a period or more late, and ticks
+# that held the robot (a chunk used up before the next came, among other reasons).
+NODE_COUNTS = ('missed_ticks', 'hold_ticks')
 
 
 def robot_params(name: str = 'aloha.yaml') -> dict:
@@ -138,6 +141,11 @@ def summary(episodes: list[dict]) -> dict:
         # The median episode's: one slow start-up does not stand for the run.
         out['node'] = {k: float(np.median([f[k] for f in figures if k in f]))
                        for k in NODE_FIGURES if any(k in f for f in figures)}
+        out['node'].update({k: int(sum(f.get(k, 0) for f in figures))
+                            for k in NODE_COUNTS if any(k in f for f in figures)})
+    if episodes and 'sim_time_factor' in episodes[0]:
+        # The simulator's achieved speed against real time, the median episode's.
+        out['sim_time_factor'] = float(np.median([e['sim_time_factor'] for e in episodes]))
     return out
 
 
@@ -609,6 +617,7 @@ def ros(args, task: str, out: Path) -> list[dict]:
     reliable = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
     narrations: list = []  # (frame stamp, text, why it ended) of each ended narration
     diagnostics: dict = {}  # the node's latest /diagnostics values
+    counted: dict = {}  # its NODE_COUNTS at the end of the last episode
     asker = Asker(round(args.ask_every / DT) if args.ask_every > 0 else 0)
     ask = ActionClient(node, Ask, '/oxygen_node/ask')
 
@@ -741,8 +750,14 @@ def ros(args, task: str, out: Path) -> list[dict]:
                          for m in ours]
                 episodes[-1].update(judge_narrations(said, scene))
                 episodes[-1].update(judge_answers(told, scene), unanswered=unanswered)
-            # The node's own figures over the episode's last chunks (its clock: simulated).
+            # The node's own figures over the episode's last chunks (its clock: simulated),
+            # and its control ticks missed or spent holding during the episode.
             episodes[-1]['node'] = {k: float(diag[k]) for k in NODE_FIGURES if k in diag}
+            for k in NODE_COUNTS:
+                if k in diag:
+                    n = int(float(diag[k]))
+                    episodes[-1]['node'][k] = n - counted.get(k, 0)
+                    counted[k] = n
             fig = episodes[-1]['node']
             rates = (f'; chunks {fig["action_latency_ms_p50"]:.0f} ms after their frame (p50), '
                      f'frames {fig["frame_ms_p50"]:.0f} ms (p50)'
@@ -916,6 +931,13 @@ def main(argv=None) -> int:
           f'({100 * report["success_rate"]:.0f} %){moved}, lift {report["lifts"]}/'
           f'{len(episodes)}, avg max reward {report["avg_max_reward"]:.2f}'
           f', {report["wall_s_per_episode"]:.1f} s per episode; report {path}')
+    node = report.get('node', {})
+    if node:
+        print('oxygen-eval: the node (median episode): ' + ', '.join(
+            f'{k} {v:.0f}' for k, v in node.items() if k in NODE_FIGURES)
+            + ''.join(f'; {k} {node[k]} in all' for k in NODE_COUNTS if k in node)
+            + (f'; simulator at {report["sim_time_factor"]:.2f} x real time'
+               if 'sim_time_factor' in report else ''), flush=True)
     for what, asked in (('narrations', args.narrate), ('answers', args.ask_every)):
         if what in report and asked:
             print(f'oxygen-eval: {what} right {report[what + "_right"]}/{report[what]}'

@@ -237,9 +237,10 @@ def test_a_model_that_cannot_be_compiled_runs_eagerly_and_says_why(model, tmp_pa
                                                                     monkeypatch):
     """No C++ compiler, a full disk: the engine still starts, runs the model eagerly, and
     warns with the reason (the node's log gets it)."""
-    def broken(self, name, path):
+    def broken(self, names=(), workers=None):
+        self.say('compiling the model for this CPU (...)')
         raise OSError('no C++ compiler found')
-    monkeypatch.setattr(Programs, '_build', broken)
+    monkeypatch.setattr(Programs, 'load', broken)
 
     class Log:
         def __init__(self):
