@@ -42,6 +42,8 @@ def row(reports: list[dict], mode: str) -> dict:
     med = statistics.median
     runs = [next(r for r in rep['results'] if r['mode'] == mode) for rep in reports]
     out = dict(frame_p50=med(r['frame_ms_p50'] for r in runs),
+               frame_lo=min(r['frame_ms_p50'] for r in runs),
+               frame_hi=max(r['frame_ms_p50'] for r in runs),
                frame_p99=med(r['frame_ms_p99'] for r in runs),
                prefill=med(rep['phases']['prefill_ms'] for rep in reports),
                denoise=med(rep['phases']['denoise_ms'] for rep in reports),
@@ -66,7 +68,7 @@ def main():
     ap.add_argument('--threads', type=int, default=2)
     ap.add_argument('--frames', type=int, default=30)
     args = ap.parse_args()
-    out, before = Path(args.out), Path(args.before).resolve()
+    out, before = Path(args.out).resolve(), Path(args.before).resolve()
     runners = {'before': (before, ()), 'eager': (ROOT, ('--no-compile',)),
                'compiled': (ROOT, ('--compile',))}
     reports = {(c, r): [] for c in args.configs for r in runners}
@@ -80,7 +82,7 @@ def main():
                 print(f'round {k}: {config} {name}', flush=True)
                 reports[config, name].append(bench(tree, config, dest, args, extra))
     lines = ['# The CPU path, before and after', '',
-             f'`python tools/bench_cpu.py --out {out} --before <checkout> --configs '
+             f'`python tools/bench_cpu.py --out {args.out} --before <checkout> --configs '
              f'{" ".join(args.configs)} --rounds {args.rounds} --threads {args.threads}`: '
              f'oxygen-bench at T = 30 (N = 10, k = 5), random weights, {args.threads} torch '
              f'threads, medians of {args.rounds} rounds run alternately. `before`: the '
@@ -88,7 +90,8 @@ def main():
              f'counter on the action path (prefill + 10 denoise steps); its rate against a '
              f'2048^3 float32 product timed before and after each run.', '',
              '| config | runner | mode | prefill ms | denoise ms | decode step b=1 ms | '
-             'frame p50 ms | frame p99 ms | action path GFLOP/s | of the product rate |',
+             'frame p50 ms (rounds\' range) | frame p99 ms | action path GFLOP/s | '
+             'of the product rate |',
              '|---|---|---|---|---|---|---|---|---|---|']
     for config in args.configs:
         for name in runners:
@@ -98,7 +101,8 @@ def main():
                         else '- | -')
                 lines.append(f"| {config} | {name} | {mode} | {r['prefill']:.1f} | "
                              f"{r['denoise']:.1f} | {r['decode1']:.2f} | {r['frame_p50']:.1f} "
-                             f"| {r['frame_p99']:.1f} | {rate} |")
+                             f"({r['frame_lo']:.1f}-{r['frame_hi']:.1f}) | "
+                             f"{r['frame_p99']:.1f} | {rate} |")
     for config in args.configs:
         r = row(reports[config, 'compiled'], 'oxygen')
         if 'mflop' in r:
