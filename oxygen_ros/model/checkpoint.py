@@ -404,7 +404,8 @@ def checkpoint_tokenizer(ck: Checkpoint, path: str = "") -> tuple[Tokenizer, str
     setting), else the one its directory carries, else the built-in tokenizer if the
     checkpoint has its vocabulary. The embedding rows are the vocabulary the model was
     trained on: ids from another tokenizer mean nothing to it, so anything else is a
-    CheckpointError saying what to give."""
+    CheckpointError saying what to give, except a smaller tokenizer given as the setting
+    (a vocabulary trained into the first rows of a larger embedding)."""
     vocab = ck.model.cfg.vocab
     where = ck.info.get("directory") or ck.info.get("path") or "the checkpoint"
     files = ck.info.get("tokenizers", [])
@@ -415,6 +416,12 @@ def checkpoint_tokenizer(ck: Checkpoint, path: str = "") -> tuple[Tokenizer, str
     if path or found:
         tok = Tokenizer(path or found)
         how = "tokenizer" if path else "found in the checkpoint directory"
+        # Given on purpose, a tokenizer smaller than the embedding is one whose every id the
+        # model has a row for (LeRobot saves such checkpoints and runs them); sampling stays
+        # within its pieces. PaliGemma's vocabulary comes with PaliGemma's tokenizer only.
+        if path and tok.vocab_size < vocab != PALIGEMMA_VOCAB:
+            return tok, (f"tokenizer, {tok.vocab_size} pieces for {vocab} embedding rows: "
+                         f"the rows past {tok.vocab_size} are never read")
         if tok.vocab_size != vocab:
             known = " (PaliGemma's has 257152 pieces)" if vocab == PALIGEMMA_VOCAB else ""
             raise CheckpointError(f"tokenizer {tok.source} ({how}) has {tok.vocab_size} pieces "

@@ -486,6 +486,31 @@ def test_another_vocabulary_without_its_tokenizer_is_refused(tmp_path):
         engine_on(path)
 
 
+def test_a_smaller_tokenizer_given_on_purpose_runs_and_a_larger_one_is_refused(tmp_path):
+    # LeRobot saves and runs a checkpoint whose embedding has more rows than its tokenizer has
+    # pieces: every id it produces has a row. Given as the setting it runs, says so, and
+    # language never samples an id past the tokenizer's pieces.
+    from oxygen_ros.engine import Observation
+    path = openpi_dir(tmp_path)  # tiny: 1024 rows
+    eng = engine_on(path, tokenizer=str(SPM_448))
+    assert eng.tokenizer.source == str(SPM_448)
+    assert eng.tokenizer_from == ("tokenizer, 448 pieces for 1024 embedding rows: the rows "
+                                  "past 448 are never read")
+    obs = Observation(0.0, {}, np.array([0.3, 1.3, 2.9], np.float32), "wave")
+    text = action_prompt("wave", eng.norm.normalize_state(obs.state))
+    ids = Tokenizer(SPM_448).tokenize(text, eng.model_cfg.max_token_len)[0].tolist()
+    assert eng.frame(obs).tokens[0].tolist() == ids
+    assert eng.scheduler.vocab_limit == 448
+    # Found in the directory (nobody chose it) it stays refused: test above. Larger than the
+    # embedding, its ids past the last row would index nothing.
+    big = tmp_path / "big.model"
+    big.write_bytes(Tokenizer.default()._sp.serialized_model_proto())
+    small = openpi_dir(tmp_path / "s", vocab=448)
+    with pytest.raises(CheckpointError, match=r"big.model \(tokenizer\) has 512 pieces but "
+                       r".* 448-entry vocabulary"):
+        engine_on(small, tokenizer=str(big))
+
+
 def test_the_tokenizer_in_the_checkpoint_directory_is_used(tmp_path):
     from oxygen_ros.engine import Observation
     path = openpi_dir(tmp_path, vocab=448)
