@@ -145,6 +145,15 @@ def subtask_prompt(task: str) -> str:
 
 # A normalised value in each bin discretize_state gives: -1 (below -1), 0 .. 255.
 BIN_VALUES = np.concatenate(([-2.0], np.linspace(-1.0, 1.0, 257)[:-1] + 1.0 / 256))
+# With each digit a piece of its own, a bin's pieces depend only on its sign, first digit
+# and length (the space marker may join the first digit): one bin of each kind stands for
+# all, 22 tokenizations of a prompt instead of 257 (a live prompt is checked on the
+# executor thread).
+_KINDS = {}
+for _x in BIN_VALUES:
+    _b = str(int(discretize_state([_x])[0]))
+    _KINDS.setdefault((_b[0], len(_b)), _x)
+KIND_VALUES = np.array(list(_KINDS.values()))
 
 
 def prompt_tokens(tokenizer: Tokenizer, task: str, state_dim: int,
@@ -166,7 +175,7 @@ def prompt_tokens(tokenizer: Tokenizer, task: str, state_dim: int,
     if state_dim < 1:
         raise ValueError(f"state_dim must be >= 1, got {state_dim}")
     return max(len(tokenizer.encode(action_prompt(task, np.full(state_dim, x))))
-               for x in BIN_VALUES)
+               for x in KIND_VALUES)
 
 
 class StreamDecoder:

@@ -108,8 +108,15 @@ class Config:
             given = parse_limits({k: v for k, v in values.items() if is_limit(k)}, groups)
         except ValueError as e:
             raise StartError(f'parameter {e}') from None
-        if given:  # none given: no limits at all, and the start-up log says so
+        if given:
             cfg.limits = JointLimits(cfg.profile.action_dim, given, p.limit_hold_margin)
+        elif p.robot != 'identity' and not p.allow_unlimited:
+            # A real arm commanded without bounds takes whatever a wrong checkpoint or
+            # normalisation says, at any speed: only on purpose.
+            raise StartError(f"robot {p.robot} has no joint_limits: give its joints' limits "
+                             f'(config/{p.robot}.yaml has them for the stock robot), or set '
+                             f'allow_unlimited: true to command it without bounds on purpose')
+        # none given for 'identity' (or allowed): no limits at all, and the start-up log says so
         return cfg
 
     @property

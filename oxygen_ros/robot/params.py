@@ -107,6 +107,9 @@ PARAMS = (
           'measured position beyond a position limit by more than this holds the robot '
           'instead of being clamped; 1 is a whole range past the limit, 1000 clamps always',
           low=0.0, high=1000.0),
+    Param('allow_unlimited', False, "let a real robot profile ('aloha', 'droid') start without "
+          'joint_limits: its positions and speeds then go unbounded to the controllers; '
+          'otherwise a robot file without them is a configure error'),
     Param('glitch_speed_factor', 1.5, "a joint reading that moved faster than this many times "
           "the joint's speed limit (joint_limits) since the last one is a glitch and dropped; "
           'a simulated arm in contact, or fingers faster than the command limit, need more',
@@ -209,7 +212,9 @@ PARAMS = (
     Param('joint_qos', 'sensor_data', 'joint state subscription QoS', choices=QOS_CHOICES),
     Param('output_groups', None, 'trajectory outputs, e.g. [left_arm, left_gripper]', 'str[]'),
     Param('prompt', 'pick up the object', 'task prompt; ~/prompt changes it too', live=True),
-    Param('max_prompt_chars', 500, 'longest prompt accepted', low=1, live=True),
+    # Bounded: a prompt is tokenized on the executor thread, and no model's prefix holds
+    # 2000 characters (pi0.5's is 200 tokens).
+    Param('max_prompt_chars', 500, 'longest prompt accepted', low=1, high=2000, live=True),
     # timing
     Param('control_rate_hz', 70.0, 'trajectory publish rate; 1000 Hz is ros2_control\'s '
           'fastest usual update rate', low=0.0, above=True, high=1000.0),
@@ -289,7 +294,7 @@ FLEET_BY_NAME = {p.name: p for p in FLEET_PARAMS}
 
 ROBOT_KEYS = ('command', 'shadow_margin', 'max_command_horizon', 'play_steps',
               'replan_after', 'open_loop_control',
-              'max_future_stamp', 'limit_hold_margin', 'glitch_speed_factor',
+              'max_future_stamp', 'limit_hold_margin', 'allow_unlimited', 'glitch_speed_factor',
               'publish_predicted', 'robot', 'profile_options', 'cameras', 'camera_topics',
               'camera_slots', 'camera_transports', 'optional_cameras', 'image_qos',
               'max_image_pixels', 'max_image_bytes',

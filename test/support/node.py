@@ -44,6 +44,8 @@ PARAMS = {
     # The node's logic runs eagerly here; test_node's compiled node checks the default.
     'model': 'tiny', 'threads': 1, 'seed': 0, 'compile': False,
     'robot': 'droid', 'profile_options': '{velocity: true}',
+    # Limits where a test is about them (test_node_limits); a real robot file has them.
+    'allow_unlimited': True,
     'cameras': ['front', 'wrist'],
     'camera_topics': ['front/image', 'wrist/image'],
     'camera_slots': ['base_0_rgb', 'left_wrist_0_rgb'],

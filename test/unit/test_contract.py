@@ -20,6 +20,7 @@ DROID = {
     'outputs.arm.indices': list(range(7)),
     'outputs.gripper.topic': 'gripper/joint_trajectory', 'outputs.gripper.joints': ['gripper'],
     'outputs.gripper.indices': [7],
+    'allow_unlimited': True,  # the contract's checks, not the limits (test_limits)
 }
 
 LEFT = ['waist', 'shoulder', 'elbow', 'forearm_roll', 'wrist_angle', 'wrist_rotate']
@@ -33,7 +34,14 @@ ALOHA = {
     'outputs.left_gripper.indices': [6],
     'outputs.right_arm.topic': 'r/a', 'outputs.right_arm.joints': LEFT,
     'outputs.right_arm.indices': list(range(7, 13)),
+    'allow_unlimited': True,
 }
+
+
+def test_an_aloha_without_limits_is_refused():
+    with pytest.raises(StartError, match=r'robot aloha has no joint_limits: .*config/aloha.yaml '
+                       r'has them .* allow_unlimited: true'):
+        Config.from_values({**ALOHA, 'allow_unlimited': False})
 
 
 def test_problem_key_ignores_numbers():

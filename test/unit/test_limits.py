@@ -407,9 +407,16 @@ DROID = {
 }
 
 
-def test_no_limits_given_means_none():
-    c = Config.from_values(DROID)
+def test_a_real_robot_without_limits_is_refused_unless_allowed_on_purpose():
+    # A real arm without bounds takes whatever a wrong checkpoint says, at any speed.
+    with pytest.raises(StartError, match=r"robot droid has no joint_limits: give its joints' "
+                       r'limits \(config/droid.yaml has them for the stock robot\), or set '
+                       r'allow_unlimited: true'):
+        Config.from_values(DROID)
+    c = Config.from_values({**DROID, 'allow_unlimited': True})
     assert c.limits is None
+    # The identity profile (no robot's conventions: tests, tools) needs none.
+    assert Config.from_values({**DROID, 'robot': 'identity', 'profile_options': ''}).limits is None
     assert describe(None, ARM) == ('joint limits: none (commanded positions and speeds are '
                                    'not bounded)')
 
