@@ -70,11 +70,15 @@ class Shadow:
         while self._errors and self._errors[0][0] < self._errors[-1][0] - self.window:
             self._errors.popleft()
 
-    def errors(self) -> dict[str, tuple[float, float, int]]:
-        """Per joint compared within the window: (mean, max |error|, readings)."""
-        if not self._errors:
+    def errors(self, now: float | None = None) -> dict[str, tuple[float, float, int]]:
+        """Per joint compared within the window: (mean, max |error|, readings). With `now`
+        (the clock the readings are stamped on) the window ends now: an agreement measured
+        long ago, with no readings compared since, is none."""
+        start = -np.inf if now is None else now - self.window
+        kept = [x for stamp, x in self._errors if stamp >= start]
+        if not kept:
             return {}
-        e = np.stack([x for _, x in self._errors])
+        e = np.stack(kept)
         out = {}
         for i, name in enumerate(self.joints):
             col = e[:, i][np.isfinite(e[:, i])]
@@ -82,12 +86,14 @@ class Shadow:
                 out[name] = (float(col.mean()), float(col.max()), len(col))
         return out
 
-    def disagreement(self, margin: float) -> str | None:
-        """Why commanding would be unsafe now, or None: no prediction compared with the
-        robot's motion yet, or a joint whose mean error over the window is above `margin`."""
-        got = self.errors()
+    def disagreement(self, margin: float, now: float | None = None) -> str | None:
+        """Why commanding would be unsafe at `now`, or None: no prediction compared with the
+        robot's motion in the window ending now, or a joint whose mean error over it is
+        above `margin`."""
+        got = self.errors(now)
         if not got:
-            return ('no prediction has been compared with the measured joints yet (shadow '
+            when = '' if now is None else f' in the last {self.window:g} s'
+            return (f'no prediction has been compared with the measured joints{when} (shadow '
                     'mode needs chunks and fresh joint readings)')
         missing = [j for j in self.joints if j is not None and j not in got]
         if missing:

@@ -76,7 +76,7 @@ def robot_summary(link, action_horizon: int) -> dict:
     s.update(spare_summary(link.intake))
     if not cfg.p.command:
         with link.lock:
-            errors = link.shadow.errors()
+            errors = link.shadow.errors(link.now())
         s.update(shadow_summary(errors))
     return s
 

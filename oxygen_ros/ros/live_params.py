@@ -65,13 +65,16 @@ class LiveParams:
         return SetParametersResult(successful=False, reason=reason)
 
     def may_command(self, links) -> str | None:
-        """Why shadow mode may not turn to commanding these robots now, or None. Inactive,
-        nothing is checked: activating listens for other commanders itself."""
-        if self.node.state != 'active':
-            return None
+        """Why shadow mode may not turn to commanding these robots now, or None. The gate
+        judges the prediction against the motion of the last seconds, which only an active
+        node measures: inactive, a robot in shadow mode stays in it (else deactivate, set
+        command, activate would command with no comparison at all)."""
         for link in links:
             if link.cfg.p.command:
                 continue
+            if self.node.state != 'active':
+                return (f'{link.label()}not commanding: shadow mode turns to commanding only '
+                        'while active, once its prediction agrees with the motion')
             why = link.shadow_problem()
             if why:
                 return f'{link.label()}not commanding: {why}'

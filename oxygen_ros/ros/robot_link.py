@@ -57,6 +57,9 @@ class RobotLink:
         # The node's own failures, said at ERROR (rate-limited like the problems).
         self.errors = Reporter(lambda m: self.log.error(self.label() + m),
                                cfg.p.report_period)
+        # What anyone on the graph can change (the prompt topic) is said at most once a
+        # period too: a flood of prompts must not flood the log from the executor.
+        self.notes = Reporter(lambda m: self.log.info(self.label() + m), cfg.p.report_period)
         self.lock = threading.Lock()
         self._intake = threading.Lock()  # joint states are taken by one thread at a time
         self.active = False  # chunks from the engine are played only while True
@@ -150,10 +153,12 @@ class RobotLink:
         robot first, on the controllers' topics, as a stop does (braking within its
         limits); taking it over starts from the readings with the next chunk, as
         activating does."""
-        if not on and self.commanding():
-            self.stop_commanding('shadow mode: leaving commanding')
-            self.control.tick()  # the hold goes out while this link still commands
+        # One hold of the tick lock from the hold to the switch: a control tick in between
+        # would send a chunk that came meanwhile to the controllers after their hold.
         with self.control._tick_lock:
+            if not on and self.commanding():
+                self.stop_commanding('shadow mode: leaving commanding')
+                self.control.tick()  # the hold goes out while this link still commands
             with self.lock:
                 self.shadow.clear()
                 self.cfg.p.command = on
@@ -174,7 +179,7 @@ class RobotLink:
         if name == 'prompt':
             self.set_prompt(value)
         elif name == 'report_period':
-            self.reporter.period = value
+            self.reporter.period = self.errors.period = self.notes.period = value
         elif self.player is not None and name == 'max_command_horizon':
             self.player.horizon = value
         elif self.player is not None and name == 'play_steps':
@@ -187,7 +192,7 @@ class RobotLink:
         if other:
             return other
         with self.lock:
-            return self.shadow.disagreement(self.cfg.p.shadow_margin)
+            return self.shadow.disagreement(self.cfg.p.shadow_margin, self.now())
 
     def stop_commanding(self, why: str):
         if self.player is not None:
@@ -223,7 +228,7 @@ class RobotLink:
                                  f'keeping {self.intake.prompt!r}')
             return
         self.set_prompt(msg.data)
-        self.log.info(f'{self.label()}task prompt: {self.intake.prompt!r}')
+        self.notes.report('prompt', f'task prompt: {self.intake.prompt!r}')
 
     def _on_narrate(self, _msg):
         self.intake.narrate()  # nothing here can fail
@@ -268,20 +273,21 @@ class RobotLink:
         """Leave commanding to the other node. A robot this link was commanding gets one
         hold first (both stop: the robot rests); one it only held is left alone, as the
         other node commands it now. True when it was active."""
-        hold = self.commanding()
-        with self.lock:
-            was, self.active = self.active, False
-            self.yielded = why
-        if not was:
-            return False
-        self.errors.report('commanders', f'{why}: ' + (
-            'holding and leaving commanding' if hold else
-            'leaving commanding to it (this node was not commanding)'))
-        if hold:
-            self.stop_commanding(f'two commanders: {why}')
-            self.control.tick()
-        elif self.player is not None:
-            self.player.drop()
+        with self.control._tick_lock:  # no tick between the decision and the hold (set_command)
+            hold = self.commanding()
+            with self.lock:
+                was, self.active = self.active, False
+                self.yielded = why
+            if not was:
+                return False
+            self.errors.report('commanders', f'{why}: ' + (
+                'holding and leaving commanding' if hold else
+                'leaving commanding to it (this node was not commanding)'))
+            if hold:
+                self.stop_commanding(f'two commanders: {why}')
+                self.control.tick()
+            elif self.player is not None:
+                self.player.drop()
         return True
 
     # -- chunks out ------------------------------------------------------------------------

@@ -42,6 +42,7 @@ class Operated(Robot):
         self.predicted = []
         self.shadow = {'arm': [], 'gripper': []}
         self.driving = True
+        self.quiet = False  # True: no joint readings
         self.status = ''
         self.mine = []  # (arrival, trajectory) on the arm controller's topic from the node
         reliable = QoSProfile(depth=500, reliability=ReliabilityPolicy.RELIABLE)
@@ -68,6 +69,8 @@ class Operated(Robot):
             self.mine.append((time.monotonic(), m))
 
     def _joints(self):
+        if self.quiet:
+            return
         stamp = self._stamp()
         q = path(seconds(stamp))
         m = joint_state(stamp, JOINTS)
@@ -202,3 +205,28 @@ def test_commanding_is_taken_once_the_prediction_agrees_within_the_margin(robot)
         [step * (i + 1) for i in range(len(last.points))], abs=1e-6), last
     assert max(abs(v) for v in last.points[-1].velocities) == 0.0
     assert 'holding: shadow mode: leaving commanding' in robot.log()
+
+
+def test_the_gate_needs_a_comparison_that_ends_now_and_an_active_node(robot):
+    # Back in shadow mode (the test before) with a margin every joint met: an agreement
+    # measured before the joints went quiet is no agreement once the window has passed.
+    assert robot.get_param('command') is False
+    assert 'shadow_error_mean_worst' in robot.fresh_diag()
+    robot.quiet = True
+    time.sleep(WINDOW_S + 1.0)
+    r = robot.set_param('command', True)
+    assert not r.successful, 'commanding taken on a comparison older than the window'
+    assert (f'no prediction has been compared with the measured joints in the last '
+            f'{WINDOW_S:g} s') in r.reason, r.reason
+    robot.quiet = False
+    # Deactivate, set command, activate: the gate is not skipped by leaving active.
+    robot.lifecycle(robot.node)
+    assert robot.transition('deactivate')
+    r = robot.set_param('command', True)
+    assert not r.successful and 'only while active' in r.reason, r.reason
+    assert robot.get_param('command') is False
+    since = time.monotonic()
+    n = len(robot.shadow['arm'])
+    assert robot.transition('activate')
+    assert wait_for(lambda: len(robot.shadow['arm']) > n + 20, 30), robot.log()[-3000:]
+    assert robot.from_node(since) == []  # still shadow mode: nothing on the controllers

@@ -63,3 +63,17 @@ def test_commanding_is_refused_until_every_joint_agrees_within_the_margin():
     assert s.disagreement(0.5) is None
     s.clear()
     assert 'no prediction has been compared' in s.disagreement(0.5)
+
+
+def test_the_gate_window_ends_now_not_at_the_last_comparison():
+    # An agreement measured minutes ago, with no reading compared since, is none now.
+    s = Shadow(['arm/a'], window_s=5.0)
+    s.chunk(chunk(0.0, [[0.0]] * 31))
+    s.measured(np.array([0.01]), np.array([1.0]))
+    s.chunk(chunk(2.0, [[0.0]] * 31))
+    assert s.disagreement(0.1, now=3.0) is None  # compared 2 s ago: inside the window
+    assert s.errors(now=3.0) == {'arm/a': pytest.approx((0.01, 0.01, 1))}
+    why = s.disagreement(0.1, now=120.0)
+    assert why == ('no prediction has been compared with the measured joints in the last '
+                   '5 s (shadow mode needs chunks and fresh joint readings)')
+    assert s.errors(now=120.0) == {}
