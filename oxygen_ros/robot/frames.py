@@ -9,9 +9,14 @@ tests drive it directly.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+# A velocity is differentiated from two readings at most this far apart (s); further apart
+# (a stream that paused) their difference says nothing of how the joint moves now.
+VELOCITY_GAP_S = 0.1
 
 
 @dataclass
@@ -211,16 +216,29 @@ class JointReadings:
         self.keep = self.wanted | set(keep)  # also read, e.g. a controller joint for a hold
         self._values: dict[str, float] = {}
         self._stamps: dict[str, float] = {}
+        self._speeds: dict[str, float] = {}  # rad/s (or m/s); NaN where none is known
         self._lock = threading.Lock()
 
-    def update(self, readings: Mapping[str, float], stamp: float) -> tuple[dict, float]:
-        """Take the joints of `readings` read at `stamp`; returns (every value held, the
-        stamp of the oldest wanted joint)."""
+    def update(self, readings: Mapping[str, float], stamp: float,
+               velocities: Mapping[str, float] | None = None,
+               differentiate: bool = True) -> tuple[dict, float]:
+        """Take the joints of `readings` read at `stamp`, with their `velocities` where the
+        driver gives them (else, with `differentiate`, the change from the last reading if
+        that is at most VELOCITY_GAP_S old); returns (every value held, the stamp of the
+        oldest wanted joint)."""
+        given = velocities or {}
         with self._lock:
             for name, x in readings.items():
                 if name in self.keep:
+                    v = given.get(name, math.nan)
+                    if not math.isfinite(v) and differentiate:
+                        last, then = self._values.get(name), self._stamps.get(name)
+                        dt = math.nan if then is None else stamp - then
+                        v = ((x - last) / dt if last is not None and 0 < dt <= VELOCITY_GAP_S
+                             else math.nan)
                     self._values[name] = float(x)
                     self._stamps[name] = stamp
+                    self._speeds[name] = float(v)
             seen = [self._stamps[n] for n in self.wanted if n in self._stamps]
             return dict(self._values), min(seen) if seen else stamp
 
@@ -251,6 +269,11 @@ class JointReadings:
                 return None
             return self._values[name], t
 
+    def velocity(self, name: str) -> float:
+        """How fast `name` moved at its last reading (NaN: not known)."""
+        with self._lock:
+            return self._speeds.get(name, math.nan)
+
     def values(self) -> dict[str, float]:
         with self._lock:
             return dict(self._values)
@@ -260,3 +283,4 @@ class JointReadings:
         with self._lock:
             self._values.clear()
             self._stamps.clear()
+            self._speeds.clear()

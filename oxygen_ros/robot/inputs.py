@@ -136,8 +136,15 @@ class Inputs:
             self.reporter.report(f'glitch:{src}', f'{topic}: {"; ".join(glitches)}: a glitch, '
                                  'message dropped, the last good readings are kept')
             return
+        # The driver's velocities where it gives one per joint (a robot moving when the node
+        # takes it over starts from that motion); else they are differentiated, except
+        # across a rebase (the robot may have been moved: a jump is no velocity).
+        vel = list(getattr(msg, 'velocity', []) or [])
+        given = ({n: float(v) for n, v in zip(names, vel, strict=True) if n in got}
+                 if len(vel) == len(names) else None)
+        rebased = src in self._rebase
         self._rebase.discard(src)
-        merged, oldest = readings.update(got, t)
+        merged, oldest = readings.update(got, t, given, differentiate=not rebased)
         limit = self.cfg.p.max_input_age
         if t - oldest > limit:
             self.reporter.report(f'joints:{src}:dropped', f'{topic}: joints '
@@ -203,7 +210,12 @@ class Inputs:
                            prompt=prompt), state
 
     def measured(self) -> np.ndarray | None:
-        """The state from the newest readings, or None while a joint has none."""
+        """The state from the newest readings, or None while a joint has none or a source's
+        readings are older than max_input_age (a chunk that re-anchors on them would move
+        the arm relative to where it was, not where it is)."""
+        now, limit = self.now(), self.cfg.p.max_input_age
+        if any(r.gone(now, limit) for r in self.readings.values()):
+            return None
         readings = {s: r.values() for s, r in self.readings.items()}
         try:
             return self.cfg.joint_map.vector(readings)
@@ -222,6 +234,16 @@ class Inputs:
             if got is not None:
                 out[i], stamps[i] = got
         return out, stamps
+
+    def motion(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """hold_at's fresh readings and stamps, and each joint's velocity at its reading
+        (NaN where there is no fresh reading or no velocity known)."""
+        out, stamps = self.hold_at()
+        vel = np.full(len(out), np.nan)
+        for i, (src, joint) in self.cfg.hold_sources.items():
+            if np.isfinite(out[i]):
+                vel[i] = self.readings[src].velocity(joint)
+        return out, stamps, vel
 
     def stale(self, now: float) -> str | None:
         """Which required inputs are stale or missing now (Assembler's words), or None."""

@@ -197,6 +197,19 @@ class Intake:
         """Which required inputs are stale or missing now (Assembler's words), or None."""
         return self.inputs.stale(now)
 
+    def tick_check(self, now: float):
+        """The control thread's look at every tick while a chunk plays: a required input
+        gone stale holds the robot at once, not when the engine thread next looks (after a
+        long frame) or the chunk runs out."""
+        player = self.player
+        if player is None or player.chunk is None:
+            return
+        why = self.stale(now)
+        if why:
+            self.reporter.report(problem_key('frame', why), f'no frame: {why}')
+            self._went_stale()
+            self.hold(f'inputs: {why}')
+
     def lead(self) -> float | None:
         """How long before the chunk being played runs out the next frame starts at the
         latest (s), as measured (replan_lead with a control period's margin: the chunk

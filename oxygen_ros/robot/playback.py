@@ -156,6 +156,7 @@ class Player:
         # last commands and holds sent, oldest first: where the controller's setpoint is and
         # was, and how it moves.
         self._sent: collections.deque = collections.deque(maxlen=SENT_KEPT)
+        self._measured_vel: np.ndarray | None = None  # at the last readings taken (_start)
         self._lock = threading.Lock()
 
     @property
@@ -285,11 +286,13 @@ class Player:
         return None
 
     def moving(self, now: float) -> np.ndarray | None:
-        """The velocities the controller moves at `now` along the last command sent (None
-        before the first)."""
+        """The velocities the controller moves at `now` along the last command sent; before
+        the first, the arm's measured velocities (0 where unknown) from the last readings
+        taken (a robot taken over in motion), None without any."""
         r = self._record(now)
         if r is None:
-            return None
+            vel = self._measured_vel
+            return None if vel is None else np.where(np.isfinite(vel), vel, 0.0)
         t, at, w, times, pos, vel = r
         return velocity_at(now - t, at, w, times, pos, vel)
 
@@ -310,16 +313,26 @@ class Player:
         sent. NaN where none of them says. The estimate is kept between the reading and the
         setpoint."""
         got = None if hold_at is None else hold_at()
+        vel = None
         if isinstance(got, tuple):
-            read, stamps = (np.array(x, dtype=np.float64) for x in got)
+            read, stamps = (np.array(x, dtype=np.float64) for x in got[:2])
+            if len(got) > 2:
+                vel = np.array(got[2], dtype=np.float64)
         else:
             read = (np.full(dim, np.nan) if got is None else np.array(got, dtype=np.float64))
             stamps = np.full(dim, now)
+        self._measured_vel = vel
         sp = self.setpoint(now)
         if sp is not None:
             read[~(now - stamps <= self.recent)] = np.nan
         if sp is None:
-            return read.copy(), read
+            # Nothing sent: the arm is where it was read, moved on at its measured velocity
+            # since (an arm taken over in motion).
+            at = read.copy()
+            if vel is not None:
+                go = np.isfinite(read) & np.isfinite(vel) & np.isfinite(stamps)
+                at[go] += vel[go] * np.clip(now - stamps[go], 0.0, None)
+            return at, read
         at = sp.copy()
         for t in np.unique(stamps[np.isfinite(read)]).tolist():
             then = self.setpoint(t)
@@ -342,11 +355,15 @@ class Player:
         # Where the controller is now, not where the arm was last read: holding there would
         # send it back. Nothing sent and no fresh reading: NaN, no target.
         pos = self._start(now, hold_at, self._dim())[0]
-        if self.keep is not None:
-            sp = self.setpoint(now)
-            if sp is not None:
-                k = self.keep & np.isfinite(sp)
-                pos[k] = sp[k]
+        sp = self.setpoint(now)
+        if sp is not None:
+            # A controller that starts from its last command (open_loop) is at its setpoint,
+            # whatever the arm's tracking error: a hold anywhere else steps the setpoint
+            # across that error within one period. Kept joints (grips) stay at it too.
+            k = np.isfinite(sp)
+            if not self.open_loop:
+                k &= self.keep if self.keep is not None else False
+            pos[k] = sp[k]
         if self.limits is None:
             cmd = Command(np.array([self.hold_after]), pos[None], np.zeros((1, len(pos))),
                           hold=why)

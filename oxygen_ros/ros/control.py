@@ -72,7 +72,8 @@ class Control:
 
     def __init__(self, link):
         self.link = link
-        self._tick_lock = threading.Lock()
+        # Reentrant: leaving commanding holds it across its own hold tick (RobotLink).
+        self._tick_lock = threading.RLock()
         # Ends the loop of the current activation (each gets its own: a thread that
         # outlived stop() must not be restarted by the next start()).
         self._stop = threading.Event()
@@ -83,7 +84,9 @@ class Control:
         self._jump_handle = None  # rcl's jump callback under simulated time
         self._jump_lock = threading.Lock()
         self._tick_failures = 0
-        self._sent_cmd = None  # (monotonic time, times, positions) of the last command sent
+        # (monotonic time, times, positions) of the last command sent, from where it
+        # started (time 0)
+        self._sent_cmd = None
         self.scheduling = ''  # what the control thread runs at (raise_priority), once known
         self._writers = {}  # group -> its messages.TrajectoryBytes, None: serialize_message
 
@@ -233,14 +236,30 @@ class Control:
         readings): each joint where the last command sent has brought it by now (linear
         between its points), at rest one control period ahead. Nothing sent yet: nothing
         to replace."""
-        sent = self._sent_cmd
-        if sent is None:
+        if self._sent_cmd is None:
             return
-        t0, times, pos = sent
-        dt = time.monotonic() - t0
+        at, moving = self._along_sent(time.monotonic())
+        step = 1.0 / self.link.cfg.p.control_rate_hz
+        limits = self.link.cfg.limits
+        if limits is None:
+            times, pos, vel = np.array([step]), at[None], np.zeros((1, len(at)))
+        else:  # a moving joint brakes within its limits, as every other hold does
+            times, pos, vel = limits.stop(at, moving, step, self.link.cfg.p.max_command_horizon)
+        self._publish(Command(times, pos, vel, hold=f'fault: {why}'))
+
+    def _along_sent(self, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, velocities) at monotonic `now` along the last command sent, linear
+        between its points and from where it started (what it replaced had brought the
+        joints there): needs nothing of the player, which a failed tick may have broken."""
+        t0, times, pos = self._sent_cmd
+        dt = now - t0
         at = np.array([np.interp(dt, times, pos[:, i]) for i in range(pos.shape[1])])
-        self._publish(Command(np.array([1.0 / self.link.cfg.p.control_rate_hz]), at[None],
-                              np.zeros((1, len(at))), hold=f'fault: {why}'))
+        k = int(np.searchsorted(times, dt, side='right'))
+        if 0 < k < len(times):
+            vel = (pos[k] - pos[k - 1]) / (times[k] - times[k - 1])
+        else:
+            vel = np.zeros(pos.shape[1])
+        return at, vel
 
     def _tick(self):
         if self._jumps is not None:
@@ -259,7 +278,9 @@ class Control:
                 self.link.shadow.measured(q, stamps)
         try:
             inputs = self.link.inputs
-            cmd = self.link.player.tick(self.link.now(), inputs.measured, inputs.hold_at)
+            now = self.link.now()
+            self.link.intake.tick_check(now)  # a stale input holds now, whatever the engine does
+            cmd = self.link.player.tick(now, inputs.measured, inputs.motion)
         except ValueError as e:
             self.link.reporter.report(problem_key('playback', str(e)), f'playback failed: {e}')
             self.link.stop_commanding(f'playback failure: {e}')
@@ -314,7 +335,12 @@ class Control:
                 self.link.traj_pubs[g.name].publish(data)
             else:
                 self.link.shadow_pubs[g.name].publish(data)
-        self._sent_cmd = (time.monotonic(), cmd.times.copy(), cmd.positions.copy())
+        now = time.monotonic()
+        start = (self._along_sent(now)[0] if self._sent_cmd is not None
+                 else cmd.positions[0])
+        start = np.where(np.isfinite(start), start, cmd.positions[0])
+        self._sent_cmd = (now, np.concatenate(([0.0], cmd.times)),
+                          np.vstack([start, cmd.positions]))
         s = self.link.stats
         if cmd.hold:
             s.c['holds'] += 1

@@ -117,6 +117,58 @@ def test_every_command_stays_in_range_and_speed_and_holds_never_jump(sc):
             assert np.all(np.abs(cmd.positions[0] - q) <= speed / RATE + 1e-9), (cmd, q)
 
 
+open_loop_scenario = st.fixed_dictionaries({
+    'speed': st.lists(st.floats(0.2, 3.0), min_size=DIM, max_size=DIM),
+    'accel': st.one_of(st.none(), st.floats(2.0, 50.0)),
+    # How far the arm lags its setpoint (a servo's tracking error), per joint.
+    'lag': st.lists(st.floats(-0.2, 0.2), min_size=DIM, max_size=DIM),
+    'keep': st.lists(st.booleans(), min_size=DIM, max_size=DIM),
+    'chunks': st.lists(st.lists(st.lists(st.floats(-0.9, 0.9), min_size=DIM, max_size=DIM),
+                                min_size=2, max_size=8), min_size=1, max_size=4),
+    'events': st.lists(st.sampled_from([0, 1, 1, 1, 2, 3]), min_size=40, max_size=120),
+})
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(open_loop_scenario)
+def test_open_loop_holds_start_at_the_setpoint_within_the_limits(sc):
+    """JTC with open_loop_control starts every trajectory from its last command, so that is
+    where a hold must start, whatever the readings say (the arm lags its setpoint): every
+    hold path (stopped, stale, used up) lands within one control period at the speed limit
+    of where the controller is, and its whole motion keeps the speed limit."""
+    lims = {i: (f'g/j{i}', Limit(-1.0, 1.0, sc['speed'][i],
+                                 np.inf if sc['accel'] is None else sc['accel']))
+            for i in range(DIM)}
+    player = Player(horizon=0.5, hold_after=1 / RATE, limits=JointLimits(DIM, lims, 1000.0),
+                    open_loop=True, keep=np.array(sc['keep']))
+    arm = Arm(np.zeros(DIM))  # the controller's setpoint, from its last command
+    speed, lag = np.array(sc['speed']), np.array(sc['lag'])
+    reading = (np.zeros(DIM), np.full(DIM, 1.0))
+    chunks = list(sc['chunks'])
+    for k, ev in enumerate(sc['events']):
+        t = 1.0 + k / RATE
+        if k % 7 == 0 and chunks:
+            player.play(make_chunk(t - 0.02, 0.1, chunks.pop(0)))
+        if ev == 1:  # the arm read where it is: behind its setpoint by the lag once it
+            # follows commands (before the first, JTC starts from the state it read)
+            behind = lag if arm.traj is not None else 0.0
+            reading = (arm.state(t)[0] - behind, np.full(DIM, t))
+        elif ev == 2:
+            reading = None
+        elif ev == 3:
+            player.stop('stopped')
+        got = reading if reading is not None else (np.full(DIM, np.nan), np.full(DIM, np.nan))
+        cmd = player.tick(t, hold_at=lambda g=got: g)
+        if cmd is None or not np.all(np.isfinite(cmd.positions)):
+            continue
+        q, _ = arm.state(t)
+        arm.receive(t, cmd)
+        v = segments(t, arm)
+        assert np.all(np.abs(v) <= speed * (1 + 1e-6) + 1e-9), (cmd, np.abs(v).max(0))
+        if cmd.hold:
+            assert np.all(np.abs(cmd.positions[0] - q) <= speed / RATE + 1e-9), (cmd, q, lag)
+
+
 @pytest.mark.parametrize('age', [0.0, 0.05, 0.3])
 def test_a_hold_after_the_stream_stopped_is_where_the_arm_is(age):
     """The reading stops mid-motion: the hold lands where the tracking arm is, not where it
