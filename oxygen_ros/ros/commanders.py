@@ -1,9 +1,13 @@
-"""Never two commanders: hearing another node on a robot's trajectory topics.
+"""Never two commanders: hearing another node on a robot's trajectory topics, or a goal on
+its controllers' follow_joint_trajectory actions.
 
 The link remembers (by hash) what it sent lately; a trajectory heard on its own topics that
-is not among those came from another node. ``commanders`` says who, asking the ROS graph,
-and can listen a while first (a node just started, or a host back from a partition, has not
-discovered everyone yet).
+is not among those came from another node. A controller whose topic is
+``<controller>/joint_trajectory`` also takes goals on ``<controller>/follow_joint_trajectory``
+(MoveIt, ``ros2 action send_goal``): the action's status topic lists them, and one accepted,
+executing or cancelling is another commander (this node sends no goals). ``commanders`` says
+who, asking the ROS graph, and can listen a while first (a node just started, or a host back
+from a partition, has not discovered everyone yet).
 """
 
 from __future__ import annotations
@@ -15,6 +19,23 @@ import time
 from oxygen_ros.ros.topics import take
 
 UNDISCOVERED = 'a node not yet discovered by name'
+TOPIC_SUFFIX = '/joint_trajectory'
+ACTION = 'follow_joint_trajectory'
+# action_msgs/GoalStatus: accepted, executing, canceling. A goal in any of them moves the arm.
+ACTIVE = (1, 2, 3)
+
+
+def action_of(topic: str) -> str | None:
+    """The follow_joint_trajectory action of the controller that listens on `topic` (a
+    resolved trajectory topic), or None when the topic does not say which controller."""
+    if not topic.endswith(TOPIC_SUFFIX):
+        return None
+    return topic[:-len(TOPIC_SUFFIX)] + '/' + ACTION
+
+
+def unwatched(topics: list[str]) -> list[str]:
+    """The trajectory topics whose controller's action cannot be watched (see action_of)."""
+    return [t for t in topics if action_of(t) is None]
 
 
 class Commanders:
@@ -32,6 +53,28 @@ class Commanders:
         self.mine: collections.deque = collections.deque()
         self.mine_set: dict[int, int] = {}
         self.heard_at: dict[str, float] = {}  # topic -> when another node was last heard
+        # action -> the ids of its goals that are active now, by its status topic
+        self.goals: dict[str, list[str]] = {}
+        self.actions = {t: a for t in topics if (a := action_of(t)) is not None}
+
+    def watch_goals(self, create_subscription) -> list:
+        """Subscribe to each controller action's status (``create_subscription`` is the
+        node's); the subscriptions, for the link to destroy."""
+        from action_msgs.msg import GoalStatusArray
+        from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+
+        # rcl_action's status QoS: the latest list, kept for late joiners.
+        status = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                            durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        return [create_subscription(GoalStatusArray, f'{a}/_action/status',
+                                    lambda m, a=a: self.on_status(a, m), status)
+                for a in self.actions.values()]
+
+    def on_status(self, action: str, msg):
+        active = [bytes(s.goal_info.goal_id.uuid).hex()[:8] for s in msg.status_list
+                  if s.status in ACTIVE]
+        with self.lock:
+            self.goals[action] = active
 
     MINE_S = 5.0  # how long what this link sent is remembered, s
 
@@ -62,7 +105,9 @@ class Commanders:
         for sub in self.subs:
             take(sub, self.on_error)
         now = time.monotonic()
-        return sorted(t for t, at in self.heard_at.items() if now - at < self.HEARD_S)
+        with self.lock:
+            goals = sorted(a for a, ids in self.goals.items() if ids)
+        return sorted(t for t, at in self.heard_at.items() if now - at < self.HEARD_S) + goals
 
     def others(self, topics=None) -> dict[str, list[str]]:
         """topic -> the other nodes with a publisher on it (the ROS graph)."""
@@ -93,13 +138,16 @@ class Commanders:
             heard = self.heard()
         if not heard:
             return None
-        others = self.others(heard)
+        with self.lock:
+            goals = {a: list(self.goals.get(a, [])) for a in heard if a in self.goals}
+        topics = [t for t in heard if t not in goals]
+        others = self.others(topics) if topics else {}
         # Heard before the graph names who sent it (a node just started): while listening,
         # give discovery the rest of the window to name it.
-        while listen and time.monotonic() - start < listen and any(
-                UNDISCOVERED in others.get(t, [UNDISCOVERED]) for t in heard):
+        while listen and topics and time.monotonic() - start < listen and any(
+                UNDISCOVERED in others.get(t, [UNDISCOVERED]) for t in topics):
             time.sleep(0.05)
-            others = self.others(heard)
-        who = '; '.join(f'{t} <- {", ".join(others.get(t) or ["an unknown node"])}'
-                        for t in heard)
-        return f'another node commands this robot: {who}'
+            others = self.others(topics)
+        who = [f'{t} <- {", ".join(others.get(t) or ["an unknown node"])}' for t in topics]
+        who += [f'{a}: goal {", ".join(ids)} active' for a, ids in goals.items()]
+        return f'another node commands this robot: {"; ".join(who)}'

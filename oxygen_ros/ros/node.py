@@ -187,6 +187,7 @@ class OxygenNode(LifecycleNode):
     def _configure(self):
         cfg = self.cfg
         self.reporter.period = cfg.p.report_period
+        self._check_outputs()
         self.engine = e = start_engine(cfg, self.links, bool(self.fleet), self.log)
         self._setup_ros()
         self.log.info(f'configured: {describe_weights(cfg, e)}; chunks of {e.action_horizon} x '
@@ -196,6 +197,20 @@ class OxygenNode(LifecycleNode):
             self.log.info(f'the checkpoint plays {e.n_action_steps} of its {e.action_horizon} '
                           f'actions per chunk (n_action_steps); play_steps: '
                           f'{e.n_action_steps} does the same here')
+
+    def _check_outputs(self):
+        """Every output on a controller of its own, by the names the topics resolve to
+        (namespace, remapping): `arm/jt` and `/arm/jt` are one topic in the root namespace,
+        and two robots of a fleet may name one controller. A controller follows one
+        trajectory at a time: two commanders on it fight."""
+        seen = {}
+        for link in self.links:
+            for g, topic in zip(link.cfg.groups, link.topics(), strict=True):
+                who = f'{link.label()}outputs.{g.name}'
+                if topic in seen:
+                    raise StartError(f'{seen[topic]} and {who} both command {topic}: a '
+                                     'controller follows one trajectory at a time')
+                seen[topic] = who
 
     def _cleanup(self, keep_ask_server: bool = False):
         self._halt('cleanup')

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from oxygen_ros.robot.limits import describe as describe_limits
 from oxygen_ros.robot.shadow import Shadow
-from oxygen_ros.ros.commanders import Commanders
+from oxygen_ros.ros.commanders import ACTION, TOPIC_SUFFIX, Commanders, unwatched
 from oxygen_ros.ros.topics import Polled, join, qos
 
 
@@ -63,6 +63,8 @@ def create_topics(link):
             JointTrajectory, topic, lambda m, t=topic: link.others.on_heard(t, m),
             deep_raw, callback_group=polled, raw=True))
     link._ros += link.others.subs
+    # Goals on the controllers' follow_joint_trajectory actions move the same joints.
+    link._ros += link.others.watch_goals(sub)
     deep = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
     link.narration_pub = node.create_publisher(Narration, f'{priv}/narration', deep)
     link.text_pub = node.create_publisher(String, f'{priv}/narration/text', deep)
@@ -89,3 +91,10 @@ def create_topics(link):
         f'{cfg.action_period * 1e3:.1f} ms, commands reach at most '
         f'{cfg.p.max_command_horizon:g} s ahead; '
         + describe_limits(cfg.limits, list(cfg.output_names.values())))
+    blind = unwatched(link.others.topics)
+    if blind:
+        link.log.warning(
+            f'{link.label()}trajectory topics {", ".join(blind)} do not end in '
+            f'{TOPIC_SUFFIX}: which controller listens is unknown, so a goal on its '
+            f'{ACTION} action (MoveIt, ros2 action send_goal) is not seen as another '
+            'commander; only trajectories on the topics are')

@@ -255,6 +255,17 @@ def test_random_weights_on_a_robot_refuse_to_activate(tmp_path, domain):
     assert 'Traceback' not in out.stderr + out.stdout
 
 
+def test_two_outputs_on_one_controller_by_resolved_name_do_not_configure(tmp_path, domain):
+    # The robot file names two controllers; a remapping makes them one. Compared as written
+    # they differ, resolved they are one topic, and two commanders on one controller fight.
+    out = run_node(tmp_path, domain, ['-r', 'gripper_controller/joint_trajectory:='
+                                      '/arm_controller/joint_trajectory'])
+    assert out.returncode == 1, out.stderr
+    assert ('outputs.arm and outputs.gripper both command /arm_controller/joint_trajectory: '
+            'a controller follows one trajectory at a time') in out.stderr + out.stdout
+    assert 'Traceback' not in out.stderr + out.stdout
+
+
 def test_mistyped_command_line_value_is_an_error_next_to_a_params_file(tmp_path, domain):
     # ROS itself keeps the params file's 70.0 and drops the string without a word.
     out = run_node(tmp_path, domain, ['-p', 'control_rate_hz:=fast'])

@@ -141,6 +141,37 @@ def test_an_active_node_that_hears_another_commander_holds_and_leaves(other):
     assert commanding(other)
 
 
+def test_a_goal_on_the_controllers_action_is_another_commander(other):
+    # MoveIt or `ros2 action send_goal` move the arm through the controller's
+    # follow_joint_trajectory action, not its topic: the action server's status topic lists
+    # the goal (published here as the controller's server does: reliable, transient local).
+    from action_msgs.msg import GoalInfo, GoalStatus, GoalStatusArray
+    from rclpy.qos import DurabilityPolicy
+    from unique_identifier_msgs.msg import UUID
+
+    assert commanding(other)
+    status = other.node.create_publisher(
+        GoalStatusArray, '/arm_controller/follow_joint_trajectory/_action/status',
+        QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                   durability=DurabilityPolicy.TRANSIENT_LOCAL))
+    goal = GoalStatus(status=GoalStatus.STATUS_EXECUTING,
+                      goal_info=GoalInfo(goal_id=UUID(uuid=list(range(16)))))
+    mark = len(other.log())
+    status.publish(GoalStatusArray(status_list=[goal]))
+    assert wait_for(lambda: other.state() == 'inactive', 10), other.log()[mark:]
+    text = other.log()[mark:]
+    assert ('another node commands this robot: /arm_controller/follow_joint_trajectory: goal '
+            '00010203 active: holding and leaving commanding') in text, text
+    assert not other.transition('activate')
+    # The goal succeeded: the action's status says so, and the node may command again.
+    goal.status = GoalStatus.STATUS_SUCCEEDED
+    status.publish(GoalStatusArray(status_list=[goal]))
+    time.sleep(0.5)
+    assert other.transition('activate'), other.log()[-2000:]
+    assert commanding(other)
+    other.node.destroy_publisher(status)
+
+
 def test_after_a_long_silence_the_node_listens_and_leaves_a_robot_taken_over(other):
     assert commanding(other)
     mark = len(other.log())
