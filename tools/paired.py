@@ -4,6 +4,9 @@ interval, the seeds that succeeded in one run only, and the two-sided exact sign
 those (are the discordant seeds more one-sided than a fair coin would make them?).
 
   python tools/paired.py A/ros_report.json B/ros_report.json [--names none oxygen]
+
+A run given as several reports (comma-separated: one run made in blocks of seeds) is their
+episodes together.
 """
 
 import argparse
@@ -37,9 +40,11 @@ def main():
     ap.add_argument('b')
     ap.add_argument('--names', nargs=2, default=None)
     args = ap.parse_args()
-    names = args.names or [Path(args.a).parent.name, Path(args.b).parent.name]
-    runs = [{e['seed']: e['success'] for e in json.loads(Path(p).read_text())['per_episode']}
-            for p in (args.a, args.b)]
+    names = args.names or [Path(args.a.split(',')[0]).parent.name,
+                           Path(args.b.split(',')[0]).parent.name]
+    runs = [{e['seed']: e['success'] for p in paths.split(',')
+             for e in json.loads(Path(p).read_text())['per_episode']}
+            for paths in (args.a, args.b)]
     seeds = sorted(set(runs[0]) & set(runs[1]))
     if len(seeds) != len(runs[0]) or len(seeds) != len(runs[1]):
         print(f'paired on the {len(seeds)} seeds both runs have')
