@@ -5,6 +5,7 @@ their namespaces (cameras, joint states) and listens to what comes back to each.
 The tests run in order on one node process: both robots commanded, each robot's ~/ask
 answered from its own frames, then one robot's camera stops while the other goes on.
 """
+import copy
 import os
 import re
 import shutil
@@ -337,6 +338,11 @@ def test_ros2_launch_fleet_with_a_sim_robot_each(tmp_path):
      'robot right: 2 joints listed but the droid profile takes a 8-d state'),
     ({'checkpoint': '/elsewhere'}, 'robot right: checkpoint is not a robot parameter'),
     ({'robot_file': '/nowhere.yaml'}, 'robot right: robot_file /nowhere.yaml: No such file'),
+    # Right's arm output written absolute, into left's namespace: one controller, two robots.
+    ({'outputs': copy.deepcopy(dict(PARAMS['outputs'], arm=dict(
+        PARAMS['outputs']['arm'], topic='/left/arm_controller/joint_trajectory')))},
+     'robot left: outputs.arm and robot right: outputs.arm both command '
+     '/left/arm_controller/joint_trajectory: a controller follows one trajectory at a time'),
 ])
 def test_a_robot_that_does_not_fit_is_an_error_naming_it(tmp_path, domain, right, message):
     params = write_params(tmp_path / 'params.yaml', dict(FLEET, right=right))
