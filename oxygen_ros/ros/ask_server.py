@@ -27,7 +27,13 @@ def stamp_msg(msg, t: float) -> None:
 
 
 class _Pause:
-    """Awaiting it hands the executor back once; the coroutine resumes on its next pass."""
+    """Awaiting it hands the executor back once; the coroutine resumes on its next pass.
+
+    Jazzy's executor runs a pending task once before each wait for work, and the wait blocks
+    until an entity is ready (the guard condition above, a message, a timer) or the spin's
+    timeout: an open goal is resumed once per executor wake-up, never in a busy loop.
+    Awaiting an rclpy Future instead would change nothing there (its __await__ is the same
+    yield until done)."""
 
     def __await__(self):
         yield
