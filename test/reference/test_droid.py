@@ -289,6 +289,7 @@ def test_node_reanchors_droid_targets_on_the_lagging_sim_robot(tmp_path):
     # The targets checked here are DROID's own; joint limits, which would clamp some of
     # them, are a layer of their own (test_limits.py, test_node_limits.py).
     del params['joint_limits']
+    params['allow_unlimited'] = True  # on purpose: the node refuses DROID without limits
     # The subtask format: a pi05 prompt with the 8-d state does not fit the tiny model.
     params.update(model='tiny', prompt_format='subtask', allow_random_weights=True,
                   autostart=True, threads=1, seed=0, publish_predicted=True,
