@@ -139,7 +139,8 @@ class Inputs:
         # The driver's velocities where it gives one per joint (a robot moving when the node
         # takes it over starts from that motion); else they are differentiated, except
         # across a rebase (the robot may have been moved: a jump is no velocity).
-        vel = list(getattr(msg, 'velocity', []) or [])
+        # (a list from rclpy, an array from rosbags: never judged by truth value)
+        vel = list(getattr(msg, 'velocity', ()))
         given = ({n: float(v) for n, v in zip(names, vel, strict=True) if n in got}
                  if len(vel) == len(names) else None)
         rebased = src in self._rebase
