@@ -35,7 +35,7 @@ def main():
             e.step(first, narrate=True)
         gaps, stop = [], threading.Event()
 
-        def sleeper():
+        def sleeper(gaps=gaps, stop=stop):
             last = time.perf_counter()
             while not stop.is_set():
                 time.sleep(0.001)
