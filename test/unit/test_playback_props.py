@@ -74,14 +74,19 @@ scenario = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenario)
-def test_every_command_stays_in_range_and_speed_and_holds_never_jump(sc):
+def scenario_limits(sc) -> JointLimits:
+    """A scenario's limits on [-1, 1], its speeds and accelerations; a hold margin so wide
+    that every target is clamped and played, never held."""
     lims = {i: (f'g/j{i}', Limit(-1.0, 1.0, sc['speed'][i],
                                  np.inf if sc['accel'] is None else sc['accel']))
             for i in range(DIM)}
-    limits = JointLimits(DIM, lims, 1000.0)  # always clamp: every target is played
-    player = Player(horizon=0.5, hold_after=1 / RATE, limits=limits)
+    return JointLimits(DIM, lims, 1000.0)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario)
+def test_every_command_stays_in_range_and_speed_and_holds_never_jump(sc):
+    player = Player(horizon=0.5, hold_after=1 / RATE, limits=scenario_limits(sc))
     arm = Arm(np.zeros(DIM))
     speed = np.array(sc['speed'])
     # (positions, stamps) the node holds, or None. A chunk comes from a frame, and a frame
@@ -136,10 +141,7 @@ def test_open_loop_holds_start_at_the_setpoint_within_the_limits(sc):
     where a hold must start, whatever the readings say (the arm lags its setpoint): every
     hold path (stopped, stale, used up) lands within one control period at the speed limit
     of where the controller is, and its whole motion keeps the speed limit."""
-    lims = {i: (f'g/j{i}', Limit(-1.0, 1.0, sc['speed'][i],
-                                 np.inf if sc['accel'] is None else sc['accel']))
-            for i in range(DIM)}
-    player = Player(horizon=0.5, hold_after=1 / RATE, limits=JointLimits(DIM, lims, 1000.0),
+    player = Player(horizon=0.5, hold_after=1 / RATE, limits=scenario_limits(sc),
                     open_loop=True, keep=np.array(sc['keep']))
     arm = Arm(np.zeros(DIM))  # the controller's setpoint, from its last command
     speed, lag = np.array(sc['speed']), np.array(sc['lag'])
