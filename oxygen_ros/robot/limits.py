@@ -21,6 +21,7 @@ Limits are per action index (the action dim a controller joint is driven by); ar
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -145,6 +146,18 @@ class JointLimits:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def eased(self, factor: float) -> JointLimits:
+        """These limits with `factor` (0..1] of each acceleration and jerk limit: room
+        left for what a plan cannot know (how late a command reaches the controller)."""
+        if not 0 < factor <= 1:
+            raise ValueError(f'factor must be in (0, 1], got {factor}')
+        out = copy.copy(self)
+        out.accel, out.jerk = self.accel * factor, self.jerk * factor
+        out._lim = out._at(out.index)
+        out._checks = _Checks(out._lim)
+        out.rates = {i: out._rates(i) for i in self.names}
+        return out
 
     def _beyond(self, x: np.ndarray) -> np.ndarray:
         """How far x lies outside [lower, upper], per element (<= 0 inside)."""

@@ -31,6 +31,16 @@ from oxygen_ros.robot.limits import Finding, JointLimits, position_at, velocity_
 # seconds of them at 70 Hz, longer than any reading counts as fresh by default.
 SENT_KEPT = 140
 RECENT_S = 0.1
+# Taking over an arm in motion: the first command's motion is planned from the arm's state at
+# the tick, but the controller gets it later, the arm by then further along (it moves on as
+# before until the command arrives, and a command without a stamp starts on arrival). A
+# start that far off changes the first cubic's end accelerations by 6 dp / T^2 and its jerk
+# by 12 dp / T^3 (dp = speed x delay, T the segment's duration), which for a first point one
+# control period out breaks the limits at a delay of a millisecond. So that command is
+# planned within EASE of the acceleration and jerk limits, and its first point lies far
+# enough out that a command LATE_S late keeps them (takeover_lead).
+TAKEOVER_LATE_S = 0.02
+TAKEOVER_EASE = 0.5
 
 
 @dataclass
@@ -86,6 +96,20 @@ def runs_out(chunk: Chunk, play_steps: int = 0) -> float:
     if play_steps:
         n = min(n, play_steps)
     return chunk.stamp + (n - 1) * chunk.period
+
+
+def takeover_lead(limits: JointLimits, moving: np.ndarray) -> float:
+    """How far out (s) the first point of a command that takes over an arm moving at
+    `moving` ([action_dim]) must lie for a delivery TAKEOVER_LATE_S late to stay within the
+    limits the eased plan leaves room for."""
+    idx = limits.index
+    dp = np.abs(np.asarray(moving, dtype=np.float64)[idx]) * TAKEOVER_LATE_S
+    room = 1.0 - TAKEOVER_EASE
+    with np.errstate(divide='ignore', invalid='ignore'):
+        t_acc = np.sqrt(6.0 * dp / (room * limits.accel[idx]))
+        t_jerk = np.cbrt(12.0 * dp / (room * limits.jerk[idx]))
+    lead = np.nan_to_num(np.maximum(t_acc, t_jerk), nan=0.0, posinf=0.0)
+    return float(lead.max(initial=0.0))
 
 
 def replan_at(chunk: Chunk | None, after: int, lead: float | None = None,
@@ -145,6 +169,7 @@ class Player:
         self.limits = limits
         self.open_loop = open_loop
         self.keep = None if keep is None or not np.any(keep) else np.asarray(keep, dtype=bool)
+        self._eased = None if limits is None else limits.eased(TAKEOVER_EASE)
         # A reading this old or newer says where the arm is better than the setpoint does
         # (a few control periods: about how often a joint stream comes).
         self.recent = max(RECENT_S, 3 * hold_after)
@@ -273,8 +298,16 @@ class Player:
                     self._chunk = None
             return self._hold_command(why, hold_at, now)
         moving = self.moving(now)
-        out = self.limits.apply(times[:n], positions[:n], vel[:n], start, moving,
-                                max(chunk.period, self.hold_after))
+        limits = self.limits
+        if (moving is not None and self._record(now) is None
+                and np.any(moving[limits.index] != 0)):
+            # The arm moves and nothing was sent: a take-over, planned with room for the
+            # command's delivery (TAKEOVER_LATE_S): the points before the lead are left out.
+            k = min(int(np.searchsorted(times[:n], takeover_lead(limits, moving))), n - 1)
+            times, positions, vel, n = times[k:], positions[k:], vel[k:], n - k
+            limits = self._eased
+        out = limits.apply(times[:n], positions[:n], vel[:n], start, moving,
+                           max(chunk.period, self.hold_after))
         self._sent.append((now, start, moving, times[:n], out.positions, out.velocities))
         return Command(times[:n], out.positions, out.velocities, findings=out.findings)
 

@@ -2,13 +2,10 @@
 mode) starts from the arm's measured motion, and what the controller makes of it keeps the
 robot file's limits.
 
-The controller is modelled here, independently of oxygen_ros, as Jazzy's
-joint_trajectory_controller moves with positions and velocities given: from its current
-state (the measured position and velocity: closed loop) through each point along a cubic
-per segment (ros2_controllers joint_trajectory_controller/src/trajectory.cpp,
-interpolate_between_points, the has_velocity && !has_accel case). Its peak acceleration and
-jerk are read off the cubics' coefficients and set against the FR3's limits as
-config/sim.yaml states them (franka_description's and libfranka's).
+The controller is modelled independently of oxygen_ros (support/jtc.py: Jazzy's
+joint_trajectory_controller with positions and velocities given, closed loop, from the
+measured position and velocity). Its peak acceleration and jerk are set against the FR3's
+limits as config/sim.yaml states them (franka_description's and libfranka's).
 """
 import math
 import threading
@@ -16,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 import yaml
+from support.jtc import peaks, segments
 from support.paths import CONFIG
 from support.robots import robot_config
 
@@ -26,31 +24,7 @@ FR3 = yaml.safe_load((CONFIG / 'sim.yaml').read_text())['/**']['ros__parameters'
 ARM = FR3['joint_limits']['arm']
 
 
-def segments(p, v, times, positions, velocities):
-    """The controller's cubics from state (p, v) through the points: [(T, c0, c1, c2, c3)]."""
-    out, ta = [], 0.0
-    for tb, p1, v1 in zip(times, positions, velocities, strict=True):
-        T = tb - ta
-        c2 = (-3 * p + 3 * p1 - 2 * v * T - v1 * T) / T ** 2
-        c3 = (2 * p - 2 * p1 + v * T + v1 * T) / T ** 3
-        out.append((T, p, v, c2, c3))
-        ta, p, v = tb, p1, v1
-    return out
-
-
-def peaks(segs):
-    """Largest |velocity|, |acceleration| and |jerk| of each joint along the cubics."""
-    vel = acc = jerk = np.zeros(len(segs[0][1]))
-    for T, _, c1, c2, c3 in segs:
-        s = np.linspace(0.0, T, 200)[:, None]
-        vel = np.maximum(vel, np.abs(c1 + 2 * c2 * s + 3 * c3 * s ** 2).max(0))
-        # The acceleration is linear inside a segment: largest at an end.
-        acc = np.maximum(acc, np.maximum(np.abs(2 * c2), np.abs(2 * c2 + 6 * c3 * T)))
-        jerk = np.maximum(jerk, np.abs(6 * c3))
-    return vel, acc, jerk
-
-
-def first_command(velocity_known: bool):
+def first_command(velocity_known: bool, speed: float = 1.0):
     """The first trajectory the player sends for an FR3 whose joint 1 moves at 1 rad/s when
     the node takes over, to a chunk that wants the arm where it was read (a policy that
     sees it still): (the command, the arm's position and velocity as the controller starts)."""
@@ -59,7 +33,7 @@ def first_command(velocity_known: bool):
     player = Player(cfg.p.max_command_horizon, hold_after=1.0 / rate, limits=cfg.limits)
     q0 = np.array(FR3['initial_positions'], float)
     v = np.zeros_like(q0)
-    v[0] = 1.0
+    v[0] = speed
     now, read_at = 10.0, 10.0 - 0.01  # the newest reading is 10 ms old
     stamps = np.full_like(q0, read_at)
     measured = (q0, stamps, v if velocity_known else np.full_like(q0, np.nan))
@@ -79,6 +53,25 @@ def test_the_first_command_brakes_a_moving_arm_within_the_fr3_limits():
         assert jerk[i] <= ARM[j]['jerk'] * (1 + 1e-6), (j, jerk[i])
     # It brakes: the motion goes on past the reading and comes back, at rest at the end.
     assert cmd.positions[0, 0] > p[0] and cmd.velocities[-1, 0] == 0.0
+
+
+@pytest.mark.parametrize('speed', [1.0, 2.0])
+def test_the_first_command_keeps_the_limits_when_it_arrives_late(speed):
+    # The controller gets the command some time after the tick planned it, the arm meanwhile
+    # moving on as before (the operator's motion, which the command replaces on arrival).
+    # Up to TAKEOVER_LATE_S late, the first segment from where the arm then is keeps the
+    # FR3's limits. Seen failing before the take-over got its room: 64 rad/s^2 at 2.5 ms
+    # late at 1 rad/s (118 at 2 rad/s).
+    from oxygen_ros.robot.playback import TAKEOVER_LATE_S
+    cmd, p, v, _ = first_command(velocity_known=True, speed=speed)
+    names = [f'fr3_joint{i}' for i in range(1, 8)]
+    for late in np.linspace(0.0, TAKEOVER_LATE_S, 9):
+        vel, acc, jerk = peaks(segments(p + v * late, v, cmd.times, cmd.positions,
+                                        cmd.velocities))
+        for i, j in enumerate(names):
+            assert vel[i] <= ARM[j]['velocity'] * (1 + 1e-6), (late, j, vel[i])
+            assert acc[i] <= ARM[j]['acceleration'] * (1 + 1e-6), (late, j, acc[i])
+            assert jerk[i] <= ARM[j]['jerk'] * (1 + 1e-6), (late, j, jerk[i])
 
 
 def test_without_a_velocity_the_motion_is_unknown_and_the_check_sees_it():
