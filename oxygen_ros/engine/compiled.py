@@ -40,6 +40,7 @@ from torch.export import Dim
 from torch.func import functional_call
 
 from ..model import KV
+from . import aoti
 
 log = logging.getLogger('oxygen_ros.engine')
 
@@ -207,7 +208,7 @@ class Programs:
                 fresh = not path.is_file()
                 if fresh:
                     self._build(name, path)
-                self._run[name] = torch._inductor.aoti_load_package(str(path))
+                self._run[name] = aoti.Program(path)
                 if fresh:
                     self.built[name] = time.monotonic() - t0
                     self.say(f'compiled {name} in {self.built[name]:.1f} s')
@@ -344,10 +345,10 @@ class Programs:
 
     def _call(self, name: str, *inputs) -> list[torch.Tensor]:
         """Run program ``name`` on its inputs in the order export flattened them (its
-        weights, then each argument, lists spread out); its outputs, flat. The package's own
-        call flattens and checks nested inputs on every call, 40-50 us of Python: a frame
-        makes seventeen calls."""
-        return self._run[name].loader.boxed_run([*self.weights[name], *inputs])
+        weights, then each argument, lists spread out); its outputs, flat. Through its C
+        entry point (aoti.py), with the GIL released: the package's own call keeps it for
+        the whole program, and the control thread waits."""
+        return self._run[name]([*self.weights[name], *inputs])
 
     def vision(self, images: torch.Tensor) -> torch.Tensor:
         return self._call('vision', images.contiguous())[0]
