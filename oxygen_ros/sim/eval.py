@@ -866,7 +866,10 @@ def main(argv=None) -> int:
                     help='ROS path: a parameters file for the node alone, after the robot '
                          "files (a robot file's change, say); may be repeated")
     ap.add_argument('--domain', default=None, help='ROS_DOMAIN_ID for the ROS path')
-    ap.add_argument('--startup-timeout', type=float, default=180.0)
+    ap.add_argument('--startup-timeout', type=float, default=600.0,
+                    help='ROS path: seconds to wait for each lifecycle transition of the node '
+                         '(a dead node is seen at once); configure compiles the model on a '
+                         'cold cache, which took 3 minutes on a 2-core machine')
     ap.add_argument('--no-video', dest='video', action='store_false')
     ap.add_argument('--record', default='', metavar='DIR',
                     help="direct path, transfer-cube: each episode into DIR in oxygen-demos' "
