@@ -299,10 +299,9 @@ class Player:
             return self._hold_command(why, hold_at, now)
         moving = self.moving(now)
         limits = self.limits
-        if (moving is not None and self._record(now) is None
-                and np.any(moving[limits.index] != 0)):
-            # The arm moves and nothing was sent: a take-over, planned with room for the
-            # command's delivery (TAKEOVER_LATE_S): the points before the lead are left out.
+        if self._takes_over(now, moving):
+            # Planned with room for the command's delivery (TAKEOVER_LATE_S): the points
+            # before the lead are left out.
             k = min(int(np.searchsorted(times[:n], takeover_lead(limits, moving))), n - 1)
             times, positions, vel, n = times[k:], positions[k:], vel[k:], n - k
             limits = self._eased
@@ -310,6 +309,12 @@ class Player:
                            max(chunk.period, self.hold_after))
         self._sent.append((now, start, moving, times[:n], out.positions, out.velocities))
         return Command(times[:n], out.positions, out.velocities, findings=out.findings)
+
+    def _takes_over(self, now: float, moving: np.ndarray | None) -> bool:
+        """Whether a command now takes over an arm in motion: nothing sent yet (or since
+        forget()) and a limited joint measured moving."""
+        return (moving is not None and self._record(now) is None
+                and bool(np.any(moving[self.limits.index] != 0)))
 
     def _record(self, t: float):
         """The last command sent at or before t; None before the first."""
@@ -406,7 +411,11 @@ class Player:
         # Where the robot is, even beyond a limit: a hold must not move it (said instead),
         # except that a moving joint brakes to rest within its limits.
         moving = self.moving(now)
-        times, p, v = self.limits.stop(pos, moving, self.hold_after, self.horizon)
+        limits, step = self.limits, self.hold_after
+        if self._takes_over(now, moving):
+            # A hold that takes over a moving arm brakes with the same room as a command.
+            limits, step = self._eased, max(step, takeover_lead(limits, moving))
+        times, p, v = limits.stop(pos, moving, step, self.horizon)
         self._sent.append((now, pos, moving, times, p, v))
         return Command(times, p, v, hold=why, findings=self.limits.outside(pos))
 

@@ -74,6 +74,33 @@ def test_the_first_command_keeps_the_limits_when_it_arrives_late(speed):
             assert jerk[i] <= ARM[j]['jerk'] * (1 + 1e-6), (late, j, jerk[i])
 
 
+def test_a_hold_that_takes_over_brakes_within_the_limits_when_it_arrives_late():
+    # The first thing sent may be a hold (the chunk was stopped before any tick: a fault, a
+    # stale input): it brakes the moving arm with the same room for a late delivery.
+    # Seen failing before (its first point one control period out): 83.5 rad/s^2 at 2.5 ms.
+    from oxygen_ros.robot.playback import TAKEOVER_LATE_S
+    cfg = robot_config('sim.yaml')
+    player = Player(cfg.p.max_command_horizon, hold_after=1.0 / cfg.p.control_rate_hz,
+                    limits=cfg.limits)
+    q0 = np.array(FR3['initial_positions'], float)
+    v = np.zeros_like(q0)
+    v[0] = 1.0
+    now = 10.0
+    player.play(make_chunk(now - 0.05, cfg.action_period, np.repeat(q0[None], 30, 0)))
+    assert player.stop('inputs: joints: stale')
+    cmd = player.tick(now, hold_at=lambda: (q0, np.full_like(q0, now), v))
+    assert cmd is not None and cmd.hold
+    assert cmd.velocities[-1].tolist() == [0.0] * len(q0)
+    names = [f'fr3_joint{i}' for i in range(1, 8)]
+    for late in np.linspace(0.0, TAKEOVER_LATE_S, 9):
+        vel, acc, jerk = peaks(segments(q0 + v * late, v, cmd.times, cmd.positions,
+                                        cmd.velocities))
+        for i, j in enumerate(names):
+            assert vel[i] <= ARM[j]['velocity'] * (1 + 1e-6), (late, j, vel[i])
+            assert acc[i] <= ARM[j]['acceleration'] * (1 + 1e-6), (late, j, acc[i])
+            assert jerk[i] <= ARM[j]['jerk'] * (1 + 1e-6), (late, j, jerk[i])
+
+
 def test_without_a_velocity_the_motion_is_unknown_and_the_check_sees_it():
     # The same take-over with the velocity unknown (a driver that sends none, and no earlier
     # reading to differentiate): the player plans from rest, and the controller, which
