@@ -276,14 +276,20 @@ def test_mistyped_command_line_value_is_an_error_next_to_a_params_file(tmp_path,
 
 def test_node_started_without_autostart_stays_unconfigured_on_sigterm(tmp_path, domain):
     params = write_params(tmp_path / 'p.yaml', dict(PARAMS, autostart=False))
-    proc = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
-                             '--params-file', params], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=node_env(domain))
-    time.sleep(3)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=20)
+    log = tmp_path / 'node.log'
+    with open(log, 'w') as f:
+        proc = subprocess.Popen([sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
+                                 '--params-file', params], stdout=f,
+                                stderr=subprocess.STDOUT, text=True, env=node_env(domain))
+        # Signalled once it says it waits (a fixed 3 s was still inside torch's import on a
+        # slow machine: SIGTERM's default action ended it, -15).
+        waiting = 'unconfigured: waiting for lifecycle transitions'
+        assert wait_for(lambda: waiting in log.read_text() or proc.poll() is not None, 60)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    out = log.read_text()
     assert proc.returncode == 0, out
-    assert 'unconfigured: waiting for lifecycle transitions' in out
+    assert waiting in out
     assert 'Traceback' not in out
 
 
