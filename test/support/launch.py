@@ -43,8 +43,11 @@ def tiny_sim_file(folder) -> pathlib.Path:
     sim = yaml.safe_load((share / 'config' / 'sim.yaml').read_text())
     # The subtask format: a pi05 prompt with sim.yaml's 8-d state does not fit the tiny
     # model's 24 prompt tokens.
+    # Eager: these tests check what launch wires, and a cold compile of the programs (tens of
+    # seconds each on two cores; test_node checks the compiled default) held a fleet node
+    # inactive past its test's wait in CI.
     sim['/**']['ros__parameters'].update(model='tiny', prompt_format='subtask', image_width=64,
-                                         image_height=48)
+                                         image_height=48, compile=False)
     path = pathlib.Path(folder) / 'sim_tiny.yaml'
     path.write_text(yaml.safe_dump(sim))
     return path
