@@ -15,6 +15,7 @@ import threading
 import time
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 
 from oxygen_ros.action import Ask
 from oxygen_ros.engine.ask import Feedback, Goal, Result
@@ -39,6 +40,13 @@ class _Pause:
         yield
 
 
+# ROS's service default keeps 10 requests: a burst of callers (goals, then a result request
+# each) while the executor is busy overflows it and the requests dropped are never answered.
+# Deeper, so a burst waits its turn instead.
+SERVICE_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.VOLATILE, history=HistoryPolicy.KEEP_LAST)
+
+
 class AskServer:
     # The result is a service reply, the feedback a topic, and rclpy's ActionClient drops
     # feedback that arrives after the result: the last piece gets this head start.
@@ -61,7 +69,10 @@ class AskServer:
         self.server = ActionServer(node, Ask, name, execute_callback=self._execute,
                                    goal_callback=lambda _goal: GoalResponse.ACCEPT,
                                    cancel_callback=lambda _handle: CancelResponse.ACCEPT,
-                                   result_timeout=self.RESULT_KEPT_S)
+                                   result_timeout=self.RESULT_KEPT_S,
+                                   goal_service_qos_profile=SERVICE_QOS,
+                                   result_service_qos_profile=SERVICE_QOS,
+                                   cancel_service_qos_profile=SERVICE_QOS)
 
     def close(self, spin_once, limit_s: float) -> int:
         """Send the result of every goal, then destroy the server. ``spin_once`` (the node's
