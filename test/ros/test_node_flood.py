@@ -62,6 +62,7 @@ def test_a_flood_of_prompts_and_questions_stalls_neither_control_nor_lifecycle(t
                 time.sleep(0.001)
 
         flooder = threading.Thread(target=flood, daemon=True)
+        before, before_at = robot.fresh_diag(), robot.diag_at
         start = time.monotonic()
         flooder.start()
         # Questions in volleys of 8: a service keeps 10 requests (ROS's default service
@@ -86,10 +87,21 @@ def test_a_flood_of_prompts_and_questions_stalls_neither_control_nor_lifecycle(t
         # The lifecycle service answered promptly throughout (its 90th percentile; one
         # answer may meet a scheduler hiccup of the shared machine).
         assert np.percentile(waits, 90) < 0.1, sorted(waits)
-        # The control loop kept its rate while the executor was flooded.
+        # The control loop kept its rate while the executor was flooded: its ticks came on
+        # time (each publishes, or holds where the chunk ran out: the model's frames share
+        # the two cores with this process's flood, and on a slower machine chunks ran dry
+        # a few times a second, each hold leaving ticks without a trajectory).
+        after = robot.fresh_diag()
+        ticks = FLOOD['control_rate_hz'] * (robot.diag_at - before_at)
+
+        def grew(key):
+            return int(after.get(key, '0')) - int(before.get(key, '0'))
+        assert grew('missed_ticks') <= 0.1 * ticks, (grew('missed_ticks'), ticks, after)
+        # And the robot was commanded all along: trajectories kept coming, chunks too.
         got = [at for at, _ in list(robot.traj) if start + 1.0 <= at <= end]
-        assert len(got) >= 0.9 * FLOOD['control_rate_hz'] * (end - start - 1.0), (
+        assert len(got) >= 0.5 * FLOOD['control_rate_hz'] * (end - start - 1.0), (
             len(got), sent[0], robot.log()[-3000:])
+        assert grew('chunks') >= (end - start) / 0.4, after  # one per 0.4 s chunk
         assert sent[0] > 1000, sent[0]
         # The prompt log says it at most once a report period, not once per message.
         said = robot.log().count('task prompt:')
