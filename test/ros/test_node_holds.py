@@ -24,6 +24,7 @@ from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 from oxygen_ros.sim.aloha_sim import Controller  # noqa: E402
 
 AGE = 0.2
+DRY = 'holding: action chunk used up'
 
 
 def is_hold(msg):
@@ -90,15 +91,23 @@ def robot(tmp_path_factory):
 
 def test_a_joint_stream_that_stops_mid_motion_is_held_where_the_arm_is(robot):
     jumps = []
-    for _ in range(3):
+    spoiled = 0
+    while len(jumps) < 3:
         robot.joints_on = True
         assert wait_for(lambda: robot.rate(1.0) > 30, 30), robot.log()[-3000:]
         time.sleep(1.0)
         n = len(robot.jumps)
+        dry = robot.log().count(DRY)
         robot.joints_on = False
         t = time.monotonic()
         assert wait_for(lambda n=n: len(robot.jumps) > n, 5.0), robot.log()[-3000:]
         at, jump = robot.jumps[n]
+        time.sleep(0.5)  # the log line of a hold for another reason, should there be one
+        if at - t < AGE - 0.03 and robot.log().count(DRY) > dry and spoiled < 3:
+            # The chunk ran out first (a slow, shared machine): that hold is not the one
+            # judged here, and once holding the node sends no other. Again.
+            spoiled += 1
+            continue
         last_q = robot.readings[-1][1]
         # What a hold at the last reading would command: the arm moved on since.
         q = robot.where(at)
