@@ -15,7 +15,7 @@ import threading
 import time
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
-from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.qos import QoSProfile
 
 from oxygen_ros.action import Ask
 from oxygen_ros.engine.ask import Feedback, Goal, Result
@@ -42,9 +42,9 @@ class _Pause:
 
 # ROS's service default keeps 10 requests: a burst of callers (goals, then a result request
 # each) while the executor is busy overflows it and the requests dropped are never answered.
-# Deeper, so a burst waits its turn instead.
-SERVICE_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE,
-                         durability=DurabilityPolicy.VOLATILE, history=HistoryPolicy.KEEP_LAST)
+# Deeper, so a burst waits its turn instead (otherwise the services' default: reliable,
+# volatile, keep last).
+SERVICE_QOS = QoSProfile(depth=100)
 
 
 class AskServer:
