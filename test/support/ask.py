@@ -38,7 +38,13 @@ class Asker(User):
 
     def __init__(self, node):
         super().__init__(node)
-        self.client = ActionClient(node, Ask, '/oxygen_node/ask')
+        # As deep as the node's server (ask_server.SERVICE_QOS): with ROS's default 10, a
+        # burst of 36 refusals' results overflowed this side while the test flooded, and a
+        # goal the node had ended never got its result here.
+        deep = QoSProfile(depth=100)
+        self.client = ActionClient(node, Ask, '/oxygen_node/ask', goal_service_qos_profile=deep,
+                                   result_service_qos_profile=deep,
+                                   cancel_service_qos_profile=deep)
         self.wire = []  # every Ask feedback message on the topic, whoever's goal
         node.create_subscription(Ask.Impl.FeedbackMessage, '/oxygen_node/ask/_action/feedback',
                                  lambda m: self.wire.append(m.feedback),
