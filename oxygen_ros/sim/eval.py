@@ -269,7 +269,8 @@ def policy(args, p: dict):
     profile = make_profile('aloha', **yaml.safe_load(p['profile_options']))
     engine = Engine(EngineConfig(model=args.model, checkpoint=args.checkpoint,
                                  tokenizer=args.tokenizer, device=args.device,
-                                 threads=args.threads, denoise_steps=args.denoise_steps))
+                                 threads=args.threads, denoise_steps=args.denoise_steps,
+                                 compile=args.compile))
     return profile, engine, {c: s for c, _, s in cameras(engine.slots)}
 
 
@@ -595,7 +596,8 @@ def ros(args, task: str, out: Path) -> list[dict]:
                    'camera_slots': [s for _, _, s in cams],
                    'tokenizer': args.tokenizer, 'device': args.device,
                    'threads': args.threads, 'denoise_steps': args.denoise_steps,
-                   'allow_random_weights': not args.checkpoint, 'autostart': False,
+                   'compile': args.compile, 'allow_random_weights': not args.checkpoint,
+                   'autostart': False,
                    'prompt': args.prompt or PROMPTS[task], 'play_steps': args.play_steps,
                    'replan_after': args.replan_after, 'mode': args.mode,
                    'narration_every_n_frames': args.narrate}
@@ -836,6 +838,9 @@ def main(argv=None) -> int:
     ap.add_argument('--device', default='cpu')
     ap.add_argument('--threads', type=int, default=1)
     ap.add_argument('--denoise-steps', type=int, default=10)
+    ap.add_argument('--no-compile', dest='compile', action='store_false',
+                    help='run the model eagerly, direct and in the node (skips the one-off '
+                         'compile of a new model\'s programs: tens of seconds each)')
     ap.add_argument('--play-steps', type=int, default=0, help='actions played per chunk; '
                     "0 = the checkpoint's n_action_steps (direct) / the node's default")
     ap.add_argument('--delay-steps', type=int, default=0, metavar='D',

@@ -37,7 +37,10 @@ torch.set_num_threads(1)
 
 
 def engine(root, **kw):
-    cfg = dict(checkpoint=str(root), model='tiny', seed=0, max_requests=1, max_new_tokens=2)
+    # Eager: these tests check what is read from the directory; test_lerobot_fixture runs a
+    # LeRobot policy compiled against LeRobot's own numbers.
+    cfg = dict(checkpoint=str(root), model='tiny', seed=0, max_requests=1, max_new_tokens=2,
+               compile=False)
     cfg.update(kw)
     return Engine(EngineConfig(**cfg), tokenizer=Tokenizer.default())
 
@@ -220,7 +223,7 @@ def test_a_policy_without_its_tokenizer_names_the_one_its_preprocessor_loads(tmp
 
     def load(root):
         return Engine(EngineConfig(checkpoint=str(root), model='tiny', max_requests=1,
-                                   max_new_tokens=2))
+                                   max_new_tokens=2, compile=False))
 
     root = write_policy(tmp_path / 'p', weights)
     with pytest.raises(CheckpointError, match=r'1024-entry vocabulary but no tokenizer .* its '

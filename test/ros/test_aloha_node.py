@@ -141,7 +141,9 @@ def wrong_states():
 
 def oracle(root: Path, prompt: str):
     """The checkpoint's actions [H, 14] (zero noise) for the right state and the wrong ones."""
-    eng = Engine(EngineConfig(checkpoint=str(root), device='cpu', denoise_steps=10, threads=1))
+    # Eager like the node here (test_compiled holds compiled to eager).
+    eng = Engine(EngineConfig(checkpoint=str(root), device='cpu', denoise_steps=10, threads=1,
+                              compile=False))
     images = camera_images()
     p = aloha_params()
     obs = {s: images[c] for c, s in zip(p['cameras'], p['camera_slots'], strict=True)}
@@ -263,8 +265,10 @@ def robot(policy, tmp_path_factory):
     root, _, _ = policy
     domain = new_domain(120, 220)
     # Only what a test must change: the checkpoint (its dims from its config.json), the CPU,
-    # and configure + activate at start.
-    overrides = {'checkpoint': str(root), 'model': '', 'device': 'cpu', 'autostart': True}
+    # and configure + activate at start; eager, as the oracle (test_node checks the node's
+    # compiled default, test_policy the shipped ALOHA files compiled through ROS).
+    overrides = {'checkpoint': str(root), 'model': '', 'device': 'cpu', 'autostart': True,
+                 'compile': False}
     with aloha_node(tmp_path_factory.mktemp('aloha_node'), overrides, domain) as r:
         ok = wait_for(lambda: all(len(moving(r.traj[g])) >= 40 for g in CONTROLLERS)
                       or r.proc.poll() is not None, 180)

@@ -270,7 +270,8 @@ def aloha_params(tmp_path_factory):
     over = tmp / 'over.yaml'
     over.write_text(yaml.safe_dump({'/**': {'ros__parameters': {
         'model': str(tmp / 'tiny14.yaml'), 'device': 'cpu', 'threads': 1, 'seed': 3,
-        'frame_noise': True, 'prompt_format': 'subtask', 'prompt': 'move the cube'}}}))
+        'frame_noise': True, 'prompt_format': 'subtask', 'prompt': 'move the cube',
+        'compile': False}}}))
     return [CONFIG / 'pi05.yaml', CONFIG / 'aloha.yaml', over]
 
 
@@ -293,7 +294,7 @@ def test_hdf5_episodes_report_the_error_an_independent_computation_gives(aloha_p
                                   progress=False, say=lambda m: None) for k in range(2)]
     # Independently: the engine on the file's arrays, the profile's targets, /action.
     engine = Engine(EngineConfig(model=cfg.p.model, seed=3, frame_noise=True, threads=1,
-                                 prompt_format='subtask', max_new_tokens=30))
+                                 prompt_format='subtask', max_new_tokens=30, compile=False))
     profile = cfg.profile
     horizon = engine.action_horizon
     errors = []
@@ -378,7 +379,8 @@ def test_a_bag_without_the_robots_topics_is_refused_by_name(tmp_path, capsys):
         w.write(c, 1, store.serialize_cdr(store.types['std_msgs/msg/String'](data='hi'),
                                           'std_msgs/msg/String'))
     code, text = run_cli(capsys, str(bag), '--robot', 'sim', '-p', 'model:=tiny',
-                         '-p', 'prompt_format:=subtask', '--out', str(tmp_path / 'r'))
+                         '-p', 'prompt_format:=subtask', '-p', 'compile:=false',
+                         '--out', str(tmp_path / 'r'))
     assert code == 1
     assert 'oxygen-replay: error:' in text and 'Traceback' not in text
     assert '/exterior_1/image_raw (sensor_msgs/msg/Image)' in text
@@ -409,7 +411,8 @@ def test_bad_input_ends_with_one_line(tmp_path, capsys, what, args, says):
     if what == 'no robot':
         args = [str(tmp_path)]
     code, text = run_cli(capsys, *args, *robot, '-p', 'model:=tiny', '-p',
-                         'prompt_format:=subtask') if robot else run_cli(capsys, *args)
+                         'prompt_format:=subtask', '-p', 'compile:=false') if robot else \
+        run_cli(capsys, *args)
     assert code == 1, text
     assert says in text and 'Traceback' not in text
     assert text.strip().startswith('oxygen-replay: error:'), text
@@ -488,7 +491,7 @@ def test_a_bag_on_simulated_time_with_compressed_cameras(tmp_path):
                         header=header(t), format=fmt,
                         data=np.frombuffer(data, np.uint8)), log + 0.002)
     cfg = replay.robot_config(replay.node_values(replay.params_files('sim', []), [
-        'model:=tiny', 'prompt_format:=subtask', 'frame_noise:=true',
+        'model:=tiny', 'prompt_format:=subtask', 'frame_noise:=true', 'compile:=false',
         'camera_transports:=[compressed, compressed]']))
     run = replay.replay_bag(bag, cfg, replay.make_engine(cfg, threads=1), replay.Plan.of(cfg),
                             'auto', 10.0, 'auto', progress=False, say=lambda m: None)

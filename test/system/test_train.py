@@ -247,7 +247,7 @@ def test_a_run_gives_a_checkpoint_the_engine_loads_and_feeds_alike(episodes, tmp
     assert (ck / 'assets' / 'aloha_sim' / 'norm_stats.json').is_file()
 
     # The engine loads it with checkpoint:= alone and takes the tokenizer in it.
-    engine = Engine(EngineConfig(checkpoint=str(ck), max_new_tokens=8))
+    engine = Engine(EngineConfig(checkpoint=str(ck), max_new_tokens=8, compile=False))
     assert engine.tokenizer_from == 'found in the checkpoint directory'
     assert engine.slots == ('base_0_rgb',)
     # The crop travels in the checkpoint: loading it with checkpoint:= alone applies it.
