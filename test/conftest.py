@@ -9,11 +9,19 @@ ament runs one pytest per test file (CMakeLists.txt). pytest >= 8 collects a nam
 listing its whole directory, and launch_testing's pytest plugin imports every test_*.py it is
 shown to look for a launch description, so each run imported all the test files and what they
 import (torch, rclpy, MuJoCo): about 12 s of every file's run, a quarter of the suite's time.
-Where only files are named, only those are collected."""
+Where only files are named, only those are collected.
+
+Lanes.
+CMakeLists.txt runs the files in two lanes side by side; the compute lane's files run at the
+priority OXYGEN_TEST_NICE gives (19: the lowest), and every process they start inherits it."""
+import os
 from pathlib import Path
 
 import pytest
 from support.process import new_domain
+
+if int(os.environ.get('OXYGEN_TEST_NICE') or 0) > 0:
+    os.nice(int(os.environ['OXYGEN_TEST_NICE']))
 
 
 def pytest_ignore_collect(collection_path, config):

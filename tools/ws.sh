@@ -182,8 +182,10 @@ case "${1:-}" in
     # -rs: every skipped test prints its reason.
     export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:+$PYTEST_ADDOPTS }-rs"
     status=0
+    # -j2: the two lanes of CMakeLists.txt side by side (each lane runs one file at a time).
     colcon test --base-paths "$root" --packages-select oxygen_ros \
-      --return-code-on-test-failure --event-handlers console_direct+ || status=$?
+      --return-code-on-test-failure --event-handlers console_direct+ \
+      --ctest-args -j2 || status=$?
     colcon test-result --test-result-base build/oxygen_ros --verbose || status=$?
     # Every skipped test and its reason, then one plain closing line: passed, failed and
     # skipped counts over every test file. Fails when no test passed, a test file left no
