@@ -175,6 +175,9 @@ def test_readme_ros2_run_with_a_remap(tmp_path):
          '--params-file', f'{cfg}/pi05.yaml', '--params-file', f'{cfg}/aloha.yaml',
          '-p', 'model:=small', '-p', 'device:=cpu', '-p', 'autostart:=true',
          '-p', 'allow_random_weights:=true',
+         # eager: what is checked is the remap; a cold compile of the small model's programs
+         # (about 80 s on two cores) is test_node's to check
+         '-p', 'compile:=false',
          '-r', 'cam_high/camera/color/image_rect_raw:=/cam_high/color/image_rect_raw'],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     os.environ['ROS_DOMAIN_ID'] = domain
