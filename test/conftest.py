@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 from support.process import new_domain
 
-if int(os.environ.get('OXYGEN_TEST_NICE') or 0) > 0:
-    os.nice(int(os.environ['OXYGEN_TEST_NICE']))
+NICE = int(os.environ.get('OXYGEN_TEST_NICE') or 0)
+if NICE:
+    os.nice(NICE)
 
 
 def pytest_ignore_collect(collection_path, config):

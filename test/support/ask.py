@@ -10,6 +10,7 @@ from rclpy.action import ActionClient  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
 
 import oxygen_ros.action as action_mod  # noqa: E402 (built by colcon; must import)
+from oxygen_ros.ros.ask_server import SERVICE_QOS  # noqa: E402
 from support.node import PARAMS, User  # noqa: E402
 from support.process import wait_for  # noqa: E402
 
@@ -38,13 +39,13 @@ class Asker(User):
 
     def __init__(self, node):
         super().__init__(node)
-        # As deep as the node's server (ask_server.SERVICE_QOS): with ROS's default 10, a
-        # burst of 36 refusals' results overflowed this side while the test flooded, and a
-        # goal the node had ended never got its result here.
-        deep = QoSProfile(depth=100)
-        self.client = ActionClient(node, Ask, '/oxygen_node/ask', goal_service_qos_profile=deep,
-                                   result_service_qos_profile=deep,
-                                   cancel_service_qos_profile=deep)
+        # As deep as the node's server: with ROS's default 10, a burst of 36 refusals'
+        # results overflowed this side while the test flooded, and a goal the node had ended
+        # never got its result here.
+        self.client = ActionClient(node, Ask, '/oxygen_node/ask',
+                                   goal_service_qos_profile=SERVICE_QOS,
+                                   result_service_qos_profile=SERVICE_QOS,
+                                   cancel_service_qos_profile=SERVICE_QOS)
         self.wire = []  # every Ask feedback message on the topic, whoever's goal
         node.create_subscription(Ask.Impl.FeedbackMessage, '/oxygen_node/ask/_action/feedback',
                                  lambda m: self.wire.append(m.feedback),
