@@ -266,14 +266,16 @@ class Runner:
             recent = list(self.recent)
             snap = dict(self.snap)
             frames = self.frames
-        ms = np.array([m for _, m, _ in recent]) if recent else np.zeros(1)
+        ms = np.array([m for _, m, _ in recent])
         tokens = sum(n for _, _, n in recent)
+        # Frame times only once a frame has run: no frame is not a 0 ms frame.
+        times = dict(action_hz=action_horizon * 1000.0 / ms.mean(),
+                     frame_ms_p50=float(np.percentile(ms, 50)),
+                     frame_ms_p99=float(np.percentile(ms, 99)),
+                     tokens_per_s=tokens * 1000.0 / ms.sum()) if recent else {}
         return dict(
             frames=frames,
-            action_hz=action_horizon * 1000.0 / ms.mean() if recent else 0.0,
-            frame_ms_p50=float(np.percentile(ms, 50)),
-            frame_ms_p99=float(np.percentile(ms, 99)),
-            tokens_per_s=tokens * 1000.0 / ms.sum() if recent else 0.0,
+            **times,
             active_requests=snap['active_requests'],
             pending_requests=snap['pending_requests'],
             questions_waiting=self.questions.waiting(),

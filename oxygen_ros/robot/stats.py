@@ -58,16 +58,22 @@ class RobotStats:
         now = time.monotonic()
         recent = [x for x in list(self.publishes) if now - x <= 5.0]
         s['control_publish_hz'] = len(recent) / 5.0
-        gaps = np.array(list(self.gaps) or [0.0])
-        s['tick_jitter_ms_p99'] = float(np.percentile(np.abs(gaps - 1.0 / rate_hz), 99) * 1e3)
-        s['tick_gap_ms_max'] = float(gaps.max() * 1e3)
+        # A figure with no samples yet is left out, not reported as 0 ms: a node that has not
+        # ticked or produced a chunk has no jitter or latency to speak of.
+        if self.gaps:
+            gaps = np.array(list(self.gaps))
+            s['tick_jitter_ms_p99'] = float(np.percentile(np.abs(gaps - 1.0 / rate_hz), 99)
+                                            * 1e3)
+            s['tick_gap_ms_max'] = float(gaps.max() * 1e3)
         # How late chunks come (the part of each chunk already in the past) and how far
         # apart: together they say whether a chunk lasts until the next.
-        lat = np.array(list(self.latency) or [0.0])
-        s['action_latency_ms_p50'] = float(np.percentile(lat, 50) * 1e3)
-        s['action_latency_ms_p99'] = float(np.percentile(lat, 99) * 1e3)
-        apart = np.diff(list(self.chunk_times)) if len(self.chunk_times) > 1 else [0.0]
-        s['chunk_interval_ms_p99'] = float(np.percentile(apart, 99) * 1e3)
+        if self.latency:
+            lat = np.array(list(self.latency))
+            s['action_latency_ms_p50'] = float(np.percentile(lat, 50) * 1e3)
+            s['action_latency_ms_p99'] = float(np.percentile(lat, 99) * 1e3)
+        if len(self.chunk_times) > 1:
+            s['chunk_interval_ms_p99'] = float(np.percentile(np.diff(list(self.chunk_times)),
+                                                             99) * 1e3)
         s['chunk_ms'] = chunk_ms
         with self.lock:
             s.update(self.c)
@@ -116,5 +122,5 @@ def status(s: dict, *, active: bool, command: bool, rate_hz: float, faulted: str
             f'{WINDOW_S:g} s)' if math.isfinite(worst) else 'nothing compared yet'))
     if holding:
         return 'WARN', f'holding: {hold_reason or "no fresh actions"}'
-    return 'OK', (f'{s["control_publish_hz"]:.0f} Hz commands, '
-                  f'{s["frame_ms_p50"]:.0f} ms frames')
+    frames = f', {s["frame_ms_p50"]:.0f} ms frames' if 'frame_ms_p50' in s else ''
+    return 'OK', f'{s["control_publish_hz"]:.0f} Hz commands{frames}'

@@ -436,3 +436,26 @@ def test_a_cancel_between_the_calls_waits_for_language_and_abandon_requeues(mode
     out = e.step_fleet({'a': RobotInput(obs[2])})
     assert {ev.request_id for ev in out.events['a']} == {second}
     assert e.robot_stats('a')['questions_waiting'] == 0
+
+
+def test_figures_without_samples_are_left_out(model):
+    """Before a robot has ticked or had a chunk, and before the engine has run a frame,
+    there is no jitter, latency or frame time to report: those figures are absent from
+    the summaries (and so from /diagnostics and oxygen-eval's report), not 0 ms."""
+    from oxygen_ros.robot.stats import RobotStats
+
+    s = RobotStats()
+    out = s.summary(50.0, 100.0)
+    for key in ('tick_jitter_ms_p99', 'tick_gap_ms_max', 'action_latency_ms_p50',
+                'action_latency_ms_p99', 'chunk_interval_ms_p99'):
+        assert key not in out, key
+    s.tick(0.0, 0.02)
+    s.tick(0.023, 0.02)  # 3 ms late
+    s.chunk(0.05)
+    out = s.summary(50.0, 100.0)
+    assert out['tick_gap_ms_max'] == pytest.approx(23.0)
+    assert out['tick_jitter_ms_p99'] == pytest.approx(3.0)
+    assert out['action_latency_ms_p50'] == out['action_latency_ms_p99'] == pytest.approx(50.0)
+    assert 'chunk_interval_ms_p99' not in out  # one chunk: no interval yet
+    e = engine(model, max_requests=1)
+    assert not {'frame_ms_p50', 'frame_ms_p99', 'action_hz', 'tokens_per_s'} & e.stats().keys()
