@@ -19,6 +19,17 @@ def rms(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=EPS)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that draws no initial values on the meta device, where a model is built
+    only for its parameters' shapes (checkpoint.expected_shapes): there torch's normal_
+    goes through its Python reference, whose first call imports torch._dynamo, 2 s of every
+    checkpoint load."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     """Gemma's norm: weights are stored as an offset from one."""
 

@@ -23,7 +23,7 @@ from torch import nn
 from .config import ModelConfig
 from .decode import Decode
 from .denoise import Denoise
-from .gemma import Block, RMSNorm, attend, fold_mask, rope, rope_table
+from .gemma import Block, Embedding, RMSNorm, attend, fold_mask, rope, rope_table
 from .kv import KV, contiguous_rows
 from .reference import Reference
 from .siglip import Siglip
@@ -41,7 +41,7 @@ class Pi05(Denoise, Decode, Reference, nn.Module):
         self.cfg = cfg
         v, e = cfg.vlm, cfg.expert
         # First, so that next(parameters()) reports the compute dtype, not an fp32 one.
-        self.embed = nn.Embedding(cfg.vocab, v.width)  # also the (tied) LM head
+        self.embed = Embedding(cfg.vocab, v.width)  # also the (tied) LM head
         self.vision = Siglip(cfg.vision)
         self.projector = nn.Linear(cfg.vision.width, v.width)
         self.vlm = nn.ModuleList(Block(v, adaptive=False) for _ in range(v.depth))

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import VisionConfig
+from .gemma import Embedding
 
 EPS = 1e-6
 
@@ -40,7 +41,7 @@ class Siglip(nn.Module):
         super().__init__()
         self.cfg = c
         self.patch = nn.Conv2d(3, c.width, c.patch, stride=c.patch)
-        self.pos = nn.Embedding(c.tokens, c.width)
+        self.pos = Embedding(c.tokens, c.width)
         self.layers = nn.ModuleList(VisionLayer(c) for _ in range(c.depth))
         self.post_ln = nn.LayerNorm(c.width, eps=EPS)
 

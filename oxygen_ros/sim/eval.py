@@ -326,7 +326,8 @@ def direct(args, task: str, out: Path) -> list[dict]:
             except Unstable as e:  # the episode fails; the next one starts afresh
                 unstable = str(e)
                 break
-            if k % round(1 / (DT * VIDEO_FPS)) == 0:
+            # Rendering is most of a direct episode's time: only for a video.
+            if args.video and k % round(1 / (DT * VIDEO_FPS)) == 0:
                 frames.append(sim.render('cam_high'))
         wall = time.monotonic() - t0
         video = write_video(out / f'direct_{task}_seed{seed}.mp4', frames) if args.video else None

@@ -3,6 +3,8 @@
 import json
 import math
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -529,3 +531,17 @@ def test_the_tokenizer_in_the_checkpoint_directory_is_used(tmp_path):
     with pytest.raises(CheckpointError, match="holds different tokenizers"):
         engine_on(path)
     assert engine_on(path, tokenizer=str(SPM_448)).tokenizer_from == "tokenizer"
+
+
+def test_checking_a_checkpoints_shapes_imports_no_compiler():
+    """The shapes a checkpoint must have come from the model built on the meta device;
+    drawing initial values there would import torch._dynamo (2 s of every start-up of a
+    node, eval or replay with a checkpoint). A fresh interpreter, as a node is."""
+    code = ("import sys; from oxygen_ros.model import load_config; "
+            "from oxygen_ros.model.checkpoint import expected_shapes; "
+            "shapes = expected_shapes(load_config('pi05')); "
+            "print(len(shapes), 'torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    n, dynamo = r.stdout.split()
+    assert int(n) > 0 and dynamo == 'False', r.stdout
