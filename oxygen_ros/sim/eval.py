@@ -672,9 +672,10 @@ def ros(args, task: str, out: Path) -> list[dict]:
     node.create_subscription(SimStep, '/oxygen_mujoco_aloha/step', on_step, reliable)
     node.create_subscription(Narration, '/oxygen_node/narration', on_narration, reliable)
     node.create_subscription(DiagnosticArray, '/diagnostics', on_diagnostics, 10)
-    cam_topic = robot_params()['camera_topics'][0]  # cam_high
-    node.create_subscription(Image, cam_topic, lambda m: _add(lock, frames, m),
-                             qos_profile_sensor_data)
+    if args.video:  # cam_high's pictures, only for the video: each is ~1 MB to take and keep
+        cam_topic = robot_params()['camera_topics'][0]
+        node.create_subscription(Image, cam_topic, lambda m: _add(lock, frames, m),
+                                 qos_profile_sensor_data)
     change = node.create_client(ChangeState, '/oxygen_node/change_state')
     reset = node.create_client(SimReset, '/oxygen_mujoco_aloha/reset')
     ex = SingleThreadedExecutor(context=context)
@@ -766,7 +767,8 @@ def ros(args, task: str, out: Path) -> list[dict]:
                      f'frames {fig["frame_ms_p50"]:.0f} ms (p50)'
                      if {'action_latency_ms_p50', 'frame_ms_p50'} <= fig.keys() else '')
             print(f'oxygen-eval: ROS episode {i + 1}/{args.episodes} seed {seed}: max reward '
-                  f'{max(rewards):g}, {wall:.1f} s, {len(pics)} frames{rates}', flush=True)
+                  f'{max(rewards):g}, {wall:.1f} s'
+                  + (f', {len(pics)} pictures' if args.video else '') + rates, flush=True)
     finally:
         ask.destroy()
         ex.shutdown(timeout_sec=1.0)
