@@ -178,7 +178,10 @@ def test_frames_skipped_live_while_the_joints_were_stale_are_skipped_offline(rec
     assert start + 0.4 < first < start + 0.7, (first - start)
     assert end - 0.1 < last < end + 0.1, (last - end)
     assert [p.stamp for p in run.frames if first <= p.stamp <= last] == []
-    assert [s for s in live if first <= s <= last] == []
+    # Up to the hold's end: after it the live node may run a frame on a reading the bag got a
+    # few ms later than the node did (the recorder is another subscriber; seen: a live frame
+    # 6 ms after the end, inside the offline window by the reading's later arrival).
+    assert [s for s in live if first <= s <= min(last, end)] == []
     # Live mode runs nothing there either, and finds every frame the node ran.
     again = replayed(params, bags['mcap'])
     assert again.unmatched == [] and len(again.frames) == len(live)
