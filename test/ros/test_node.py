@@ -450,7 +450,8 @@ def paligemma_sized(tmp_path_factory):
 def test_a_checkpoint_without_its_tokenizer_fails_configure(tmp_path, domain, paligemma_sized):
     # The checkpoint's own dims (model: ''), no tokenizer given or in its directory.
     params = write_params(tmp_path / 'params.yaml',
-                          dict(PARAMS, model='', checkpoint=str(paligemma_sized)))
+                          dict(PARAMS, model='', checkpoint=str(paligemma_sized),
+                               compile=False))
     out = subprocess.run([sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args',
                           '--params-file', params], capture_output=True, text=True, timeout=120,
                          env=node_env(domain))
@@ -480,7 +481,7 @@ def test_the_node_runs_the_model_compiled_by_default(tmp_path_factory):
     model = random_model(load_config('tiny'), torch.device('cpu'), torch.float32)
     programs = Programs(model, cache, threads=1)
     programs.load()
-    params = {k: v for k, v in PARAMS.items() if k != 'compile'}
+    params = {k: v for k, v in PARAMS.items() if k != 'compile'}  # the default
     params['compile_cache'] = cache
     with node_process(tmp, params, new_domain(102, 120), 'fake_robot', Robot,
                       '-r', 'front/image:=/remapped/front') as (proc, r):

@@ -107,7 +107,7 @@ def robot(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('safety')
     domain = new_domain(120, 220)
     params = dict(PARAMS, model=long_chunk_model(tmp / 'long_chunk.yaml'), publish_predicted=True,
-                  optional_cameras=['wrist'], max_skew=SKEW)
+                  optional_cameras=['wrist'], max_skew=SKEW, compile=False)  # other dims
     with node_process(tmp, params, domain, 'guarded_robot', Guard,
                       '-r', 'front/image:=/remapped/front') as (proc, r):
         r.proc, r.params = proc, params

@@ -2,6 +2,7 @@
 this process's own (cameras, joint states) and what it receives back; the lifecycle user,
 a simulated clock, and the checks of what a controller makes of the commands."""
 import contextlib
+import functools
 import math
 import os
 import re
@@ -41,8 +42,10 @@ RATE = 70.0
 
 PARAMS = {
     'autostart': True, 'allow_random_weights': True,
-    # The node's logic runs eagerly here; test_node's compiled node checks the default.
-    'model': 'tiny', 'threads': 1, 'seed': 0, 'compile': False,
+    # Compiled, as a node runs by default: programs() builds the tiny model's before a test
+    # starts a node. A test with other dims runs eagerly (compile: false), so that it builds
+    # no programs of its own.
+    'model': 'tiny', 'threads': 1, 'seed': 0, 'compile': True,
     'robot': 'droid', 'profile_options': '{velocity: true}',
     # Limits where a test is about them (test_node_limits); a real robot file has them.
     'allow_unlimited': True,
@@ -315,6 +318,27 @@ class Robot:
         return rate(self.traj, seconds)
 
 
+@functools.cache
+def _programs(model: str, threads: int, cache: str | None):
+    import torch
+
+    from oxygen_ros.engine import random_model
+    from oxygen_ros.engine.compiled import Programs
+    from oxygen_ros.model import load_config
+
+    m = random_model(load_config(model), torch.device('cpu'), torch.float32)
+    Programs(m, cache, threads=threads).load()
+
+
+def programs(params):
+    """The compiled programs a node of `params` loads (random weights of a named model, as
+    PARAMS), built here first where missing, into the cache the node reads: a model's first
+    build (tens of seconds) takes longer than a test waits for its node to start. Once per
+    test process; a node with a checkpoint or compile: false needs none."""
+    if params.get('compile', True) and not params.get('checkpoint'):
+        _programs(params['model'], params['threads'], params.get('compile_cache') or None)
+
+
 @contextlib.contextmanager
 def node_process(tmp, params, domain, name, make, *ros_args, program=('-m', 'oxygen_ros.ros.node'),
                  files=()):
@@ -322,6 +346,7 @@ def node_process(tmp, params, domain, name, make, *ros_args, program=('-m', 'oxy
     by `make(node)` and spun in a thread. Yields (process, what make built); `.log()` on
     the latter reads the node's output. `program`: what python runs instead of the node's
     module (a script that starts it); `files`: parameter files read before `params`."""
+    programs(params)
     log_path = tmp / 'node.log'
     log = open(log_path, 'w')
     before = [a for f in files for a in ('--params-file', str(f))]
@@ -371,6 +396,7 @@ def assert_alive_and_commanding(robot, params=PARAMS):
 
 
 def run_node(tmp_path, domain, extra, timeout=60):
+    programs(PARAMS)
     params = write_params(tmp_path / 'params.yaml', PARAMS)
     return subprocess.run(
         [sys.executable, '-m', 'oxygen_ros.ros.node', '--ros-args', '--params-file', params,
