@@ -465,22 +465,13 @@ def test_a_checkpoint_without_its_tokenizer_fails_configure(tmp_path, domain, pa
 
 def test_the_node_runs_the_model_compiled_by_default(tmp_path_factory):
     """On a CPU the node runs the compiled model unless told not to (compile: true is the
-    default), and says so at configure. The programs are built here first, into the cache
-    the node reads: the first build of a model's dims takes longer than the tests wait for a
-    node to start, and the node only loads them."""
+    default), and says so at configure. node_process builds the programs first, into the
+    cache the node reads: the first build of a model's dims takes longer than the tests wait
+    for a node to start, and the node only loads them."""
     import os
-
-    import torch
-
-    from oxygen_ros.engine import random_model
-    from oxygen_ros.engine.compiled import Programs
-    from oxygen_ros.model import load_config
 
     tmp = tmp_path_factory.mktemp('compiled_node')
     cache = os.environ.get('OXYGEN_COMPILE_CACHE') or str(tmp / 'programs')
-    model = random_model(load_config('tiny'), torch.device('cpu'), torch.float32)
-    programs = Programs(model, cache, threads=1)
-    programs.load()
     params = {k: v for k, v in PARAMS.items() if k != 'compile'}  # the default
     params['compile_cache'] = cache
     with node_process(tmp, params, new_domain(102, 120), 'fake_robot', Robot,
